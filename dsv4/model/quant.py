@@ -1,0 +1,208 @@
+"""Number formats of DeepSeek-V4 / V4.1: checkpoint weight decoding and the KV quantisers.
+
+Two families live here, both exact:
+
+* checkpoint formats (MODEL.md section 4): FP8 e4m3 weights with E8M0 block scales, routed
+  experts as packed FP4 e2m1 with an E8M0 scale per 32 inputs, engram tables as FP8 rows with
+  an E8M0 scale per 32 channels;
+* the activation quantisers that are part of the V4.1 model (QAT): window KV FP8 e4m3 with a
+  power-of-two (ue8m0) scale per 32 channels, compressed KV FP4 e2m1 with an E4M3 scale per
+  16 channels, indexer keys/queries FP4 e2m1 with a ue8m0 scale per 32 channels.
+
+The quantisers return real codes (what the cache stores) and a matching dequantiser; the
+"fake quantisation" of the reference is `dequantize(quantize(x))`, bit for bit, because every
+decoded value is exactly representable in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP4_MAX = 6.0  # largest e2m1 magnitude
+
+# e2m1 code -> value; bit 3 is the sign (code 8 is -0).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_FP4_LUT: dict[torch.device, torch.Tensor] = {}
+
+# Round-to-nearest-even onto {0, .5, 1, 1.5, 2, 3, 4, 6}: a magnitude gets the code equal to the
+# number of thresholds it reaches. At a tie the even code wins, so the threshold of a boundary
+# whose upper neighbour has an odd code sits just above the boundary.
+_E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_GOES_UP = (False, True, False, True, False, True, False)
+
+
+class FormatError(ValueError):
+    """A stored tensor holds a value its format does not allow (e.g. an E8M0 NaN scale)."""
+
+
+def fp4_lut(device: torch.device) -> torch.Tensor:
+    lut = _FP4_LUT.get(device)
+    if lut is None:
+        lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+        _FP4_LUT[device] = lut
+    return lut
+
+
+# --------------------------------------------------------------------------------------------
+# E8M0 scales
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """The raw exponent bytes of an E8M0 tensor (stored as float8_e8m0fnu or uint8)."""
+    if scale.dtype == torch.uint8:
+        return scale
+    return scale.view(torch.uint8)
+
+
+def e8m0_to_float(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
+    """2**(byte - 127) as fp32. The byte 0xFF encodes NaN, which no valid checkpoint holds."""
+    raw = e8m0_bytes(scale)
+    if bool((raw == 0xFF).any()):
+        raise FormatError(f"{name}: E8M0 scale byte 0xFF (NaN) is not a valid scale")
+    return torch.exp2(raw.to(torch.float32) - 127.0)
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoint weights
+
+
+def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int, name: str = "weight") -> torch.Tensor:
+    """FP8 e4m3 [rows, cols] times one E8M0 scale per `block` x `block` tile (edge tiles may be
+    partial). `block` comes from the config's `weight_block_size`, never from the scale shape."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block), -(-cols // block))
+    if tuple(scale.shape) != grid:
+        raise FormatError(f"{name}.scale: expected shape {list(grid)} for {list(weight.shape)} with block {block}, got {list(scale.shape)}")
+    s = e8m0_to_float(scale, f"{name}.scale")
+    s = s.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return weight.to(torch.float32) * s
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 [rows, cols/2] (int8/uint8, low nibble = even column) -> codes [rows, cols]."""
+    raw = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
+    low = raw & 0x0F
+    high = raw >> 4
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of `unpack_fp4`: codes [..., 2n] (uint8 < 16) -> bytes [..., n]."""
+    pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def dequant_fp4_expert(packed: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """Routed-expert weight: packed e2m1 [out, in/2] times an E8M0 scale per 32 inputs [out, in/32]."""
+    codes = unpack_fp4(packed)
+    rows, cols = codes.shape
+    if tuple(scale.shape) != (rows, cols // 32) or cols % 32:
+        raise FormatError(f"{name}.scale: expected shape {[rows, cols // 32]} for an FP4 weight of {[rows, cols]} inputs, got {list(scale.shape)}")
+    values = fp4_lut(codes.device)[codes.long()]
+    return values * e8m0_to_float(scale, f"{name}.scale").repeat_interleave(32, dim=1)
+
+
+def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: int = 32, name: str = "weight") -> torch.Tensor:
+    """Engram table rows: FP8 e4m3 [rows, dim] times an E8M0 scale per `block` channels of a row."""
+    rows, dim = weight.shape
+    if tuple(scale.shape) != (rows, dim // block) or dim % block:
+        raise FormatError(f"{name}.scale: expected shape {[rows, dim // block]}, got {list(scale.shape)}")
+    s = e8m0_to_float(scale, f"{name}.scale").repeat_interleave(block, dim=-1)
+    return weight.to(torch.float32) * s
+
+
+def fp4_expert_to_fp8(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 expert -> FP8 e4m3 codes with the same E8M0 scales (per 32 inputs).
+
+    Every e2m1 value is exactly an e4m3 value, so this is lossless: on Hopper the experts run
+    on FP8 tensor cores."""
+    codes = unpack_fp4(packed)
+    values = fp4_lut(codes.device)[codes.long()]
+    return values.to(torch.float8_e4m3fn), e8m0_bytes(scale)
+
+
+# --------------------------------------------------------------------------------------------
+# activation quantisers (the cache formats)
+
+
+def pow2_ceil_exponent(t: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(t)) for positive normal fp32 `t`, from the IEEE bits (exponent field, plus one
+    when any mantissa bit is set) — the ue8m0 rounding of the reference kernels."""
+    bits = t.contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    return exponent - 127 + (mantissa != 0).to(torch.int32)
+
+
+def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even of fp32 values already clamped to [-6, 6] onto e2m1 codes."""
+    boundaries = torch.tensor(_E2M1_BOUNDARIES, dtype=torch.float32, device=q.device)
+    tie_up = torch.tensor(_E2M1_TIE_GOES_UP, device=q.device)
+    thresholds = torch.where(tie_up, boundaries, torch.nextafter(boundaries, torch.full_like(boundaries, float("inf"))))
+    codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1).to(torch.uint8)
+    return codes | (torch.signbit(q).to(torch.uint8) << 3)
+
+
+def quantize_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window-KV quantiser: x [..., n] -> (float8_e4m3fn codes [..., n], exponent bytes [..., n/block]).
+
+    Per block: amax clamped to >= 1e-4, scale = 2**ceil(log2(amax * (1/448))) (the reference
+    multiplies by the reciprocal; the rounding of that product decides the exponent)."""
+    n = x.shape[-1]
+    blocks = x.float().unflatten(-1, (n // block, block))
+    amax = blocks.abs().amax(-1).clamp_min(1e-4)
+    exp = pow2_ceil_exponent(amax * (1.0 / FP8_MAX))
+    scale = torch.exp2(exp.to(torch.float32)).unsqueeze(-1)
+    codes = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.flatten(-2), (exp + 127).to(torch.uint8)
+
+
+def dequantize_fp8_ue8m0(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype, block: int = 32) -> torch.Tensor:
+    scale = torch.exp2(exps.to(torch.float32) - 127.0).unsqueeze(-1)
+    values = codes.float().unflatten(-1, (-1, block)) * scale
+    return values.flatten(-2).to(dtype)
+
+
+def quantize_fp4(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 quantiser: x [..., n] -> (packed e2m1 bytes [..., n/2], scales [..., n/block]).
+
+    `e4m3_scale=True` (compressed KV, block 16): scale = e4m3(max(amax, 6*2**-9) / 6), returned
+    as float8_e4m3fn. Otherwise (indexer, block 32): scale = 2**ceil(log2(max(amax, 6*2**-126) *
+    (1/6))), returned as exponent bytes (ue8m0)."""
+    n = x.shape[-1]
+    blocks = x.float().unflatten(-1, (n // block, block))
+    amax = blocks.abs().amax(-1)
+    if e4m3_scale:
+        stored = (amax.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn)
+        scale = stored.float()
+    else:
+        exp = pow2_ceil_exponent(amax.clamp_min(FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
+        stored = (exp + 127).to(torch.uint8)
+        scale = torch.exp2(exp.to(torch.float32))
+    q = (blocks / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
+    return pack_fp4(e2m1_codes(q).flatten(-2)), stored
+
+
+def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:
+    codes = unpack_fp4(packed)
+    if scales.dtype == torch.float8_e4m3fn:
+        scale = scales.float()
+    else:
+        scale = torch.exp2(scales.to(torch.float32) - 127.0)
+    values = fp4_lut(codes.device)[codes.long()].unflatten(-1, (-1, block)) * scale.unsqueeze(-1)
+    return values.flatten(-2).to(dtype)
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """dequantize(quantize(x)) for the window KV; identity when the width is not a multiple of
+    the block (the reference leaves such tensors unquantised)."""
+    if x.shape[-1] % block:
+        return x
+    return dequantize_fp8_ue8m0(*quantize_fp8_ue8m0(x, block), x.dtype, block)
+
+
+def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
+    if x.shape[-1] % block:
+        return x
+    return dequantize_fp4(*quantize_fp4(x, block, e4m3_scale), x.dtype, block)
