@@ -1,0 +1,1 @@
+"""Hybrid paged KV cache: storage tensors, block pool, state slots, prefix index."""

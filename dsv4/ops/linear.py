@@ -1,0 +1,26 @@
+"""Dense projections. On CPU the loader dequantises FP8 weights to the compute dtype, so this
+is a plain matmul; compact FP8 weights (GPU) carry their E8M0 tile scales."""
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.model import quant
+
+
+class Linear:
+    """One projection `y = x @ W^T`, W either in the compute dtype or FP8 + tile scales."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, block: int = 0):
+        self.weight, self.scale, self.block = weight, scale, block
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.scale is None:
+            return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        return quant.dequant_fp8_block(self.weight, self.scale, self.block).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense(x.dtype))

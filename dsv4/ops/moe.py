@@ -1,0 +1,57 @@
+"""Mixture of experts: router and the routed + shared SwiGLU experts.
+
+Reference implementation: loop over the experts that received tokens, in ascending expert id
+(the order the references accumulate in)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x).sqrt()
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, fixed: torch.Tensor | None, routed_scale: float, normalize: bool):
+    """scores [T, E] (sqrtsoftplus of the router logits). Selection is the top-k of
+    scores + bias (the bias only selects), or the fixed `tid2eid` rows of hash layers; weights
+    are the unbiased scores of the selection, normalised (+1e-20) and scaled."""
+    if fixed is not None:
+        indices = fixed
+    else:
+        indices = (scores + bias).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if normalize and indices.shape[1] > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scale, indices
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU in fp32: up clamped to [-limit, limit], gate to <= limit."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+def experts_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: list, w2: list, w3: list, limit: float, weight_before_down: bool) -> torch.Tensor:
+    """Routed experts. V4.1 (`weight_before_down`) scales the activation by the routing weight
+    before w2 and accumulates in fp32; V4 scales w2's output and accumulates in the
+    activation dtype. Returns fp32 (V4.1) or x.dtype (V4)."""
+    dtype = x.dtype
+    out = torch.zeros(x.shape, dtype=torch.float32 if weight_before_down else dtype, device=x.device)
+    counts = torch.bincount(indices.flatten(), minlength=len(w1)).tolist()
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        token, slot = torch.where(indices == e)
+        xe = x[token]
+        act = swiglu(w1[e](xe), w3[e](xe), limit)
+        w = weights[token, slot, None]
+        if weight_before_down:
+            out.index_add_(0, token, w2[e]((w * act).to(dtype)).float())
+        else:
+            out.index_add_(0, token, (w2[e](act.to(dtype)) * w).to(dtype))
+    return out

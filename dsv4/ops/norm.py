@@ -1,0 +1,19 @@
+"""RMSNorm in the two roundings the references use."""
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+    """Statistics in fp32. V4.1 (`weight_in_fp32=False`) rounds the normalised value to the
+    activation dtype first and multiplies by the weight there; V4 multiplies in fp32 and rounds
+    once (its reference keeps norm weights in fp32)."""
+    h = x.float()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_fp32:
+        return (weight.float() * normed).to(x.dtype)
+    return weight.to(x.dtype) * normed.to(x.dtype)
+
+
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 `rsqrt(mean(x^2) + eps)` over the last axis (the unweighted norm of mHC / engram)."""
+    return torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
