@@ -1,0 +1,1 @@
+"""Request-level engine pieces: sampling parameters, the batched sampler and detokenization."""
