@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from dsv4.cache.storage import KVCacheStorage
 from dsv4.config import LayerRole, ModelConfig
@@ -88,12 +89,15 @@ class Model:
             role = block.role
             if block.engram is not None:
                 k = cfg.engram_layer_ids.index(role.index)
-                streams = block.engram(streams, hashes[:, k])
+                with record_function("dsv4.engram"):
+                    streams = block.engram(streams, hashes[:, k])
             residual = streams
-            a_pre, a_post, a_comb = block.mixes(streams, "attn")
-            h = block.norm(hc_collapse(streams, pre if self.v41 else a_pre), block.attn_norm)
+            with record_function("dsv4.mhc"):
+                a_pre, a_post, a_comb = block.mixes(streams, "attn")
+                h = block.norm(hc_collapse(streams, pre if self.v41 else a_pre), block.attn_norm)
             if role.owns_compressor:
-                block.attn.compress(h, rows.segs, batch, cache)
+                with record_function("dsv4.compressor"):
+                    block.attn.compress(h, rows.segs, batch, cache)
             if role.index == cfg.ced_split:
                 keep = self._decoder_rows(batch, rows)
                 streams, residual, a_pre, a_post, a_comb, h, ids = (
@@ -102,13 +106,17 @@ class Model:
                 if hashes is not None:
                     hashes = hashes[keep]
                 self._trim_shared(shared, rows)
-            y = block.attn(h, rows.segs, batch, cache, shared)
-            streams = hc_expand(y, residual, a_post, a_comb, fp32=self.v41)
-            residual = streams
-            f_pre, f_post, f_comb = block.mixes(streams, "ffn")
-            h = block.norm(hc_collapse(streams, a_pre if self.v41 else f_pre), block.ffn_norm)
-            y = block.ffn(h, ids, batch.trace, f"L{role.index}")
-            streams = hc_expand(y, residual, f_post, f_comb, fp32=self.v41)
+            with record_function("dsv4.attention"):
+                y = block.attn(h, rows.segs, batch, cache, shared)
+            with record_function("dsv4.mhc"):
+                streams = hc_expand(y, residual, a_post, a_comb, fp32=self.v41)
+                residual = streams
+                f_pre, f_post, f_comb = block.mixes(streams, "ffn")
+                h = block.norm(hc_collapse(streams, a_pre if self.v41 else f_pre), block.ffn_norm)
+            with record_function("dsv4.moe"):
+                y = block.ffn(h, ids, batch.trace, f"L{role.index}")
+            with record_function("dsv4.mhc"):
+                streams = hc_expand(y, residual, f_post, f_comb, fp32=self.v41)
             pre = f_pre
         want = self._select(batch.logits_rows, rows.row_ids)
         streams = streams[want]

@@ -20,6 +20,7 @@ from dsv4.ops import kv as kvops
 from dsv4.ops.linear import Linear
 from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import RopeTables, apply_rope
+from torch.profiler import record_function
 
 
 @dataclass
@@ -253,7 +254,8 @@ class Attention:
         kv = kvops.round_trip(ring, kv, "window")  # QAT: the window KV is FP8
 
         if role.runs_indexer:
-            self.select(x, q_res, segs, batch, cache, shared)
+            with record_function("dsv4.indexer"):
+                self.select(x, q_res, segs, batch, cache, shared)
         out = torch.empty_like(q)
         for i, b in enumerate(segs.requests):
             rows = segs.rows(i)
