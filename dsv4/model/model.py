@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from dsv4.ops.linear import linear
 from torch.profiler import record_function
 
 from dsv4.cache.storage import KVCacheStorage
@@ -129,7 +131,7 @@ class Model:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits in fp32 (the head runs in the activation dtype)."""
-        return F.linear(hidden, self.head.to(hidden.dtype)).float()
+        return linear(hidden, self.head.to(hidden.dtype)).float()
 
     # ------------------------------------------------------------------------ CED split
     def _decoder_rows(self, batch: ForwardBatch, rows: _Rows) -> torch.Tensor:

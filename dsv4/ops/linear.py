@@ -7,6 +7,18 @@ import torch.nn.functional as F
 from dsv4.model import quant
 
 
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x @ w^T` whose rows do not depend on how many rows the call has.
+
+    BLAS takes a matrix-vector path for a single row whose rounding differs from its
+    matrix-matrix path; padding one row to two keeps every row on the same path, so a
+    request's results are bitwise the same alone or batched (exact-mode prefix hits and
+    batch-invariant greedy decoding rely on it)."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        return F.linear(x.expand(2, -1), w)[:1]
+    return F.linear(x, w)
+
+
 class Linear:
     """One projection `y = x @ W^T`, W either in the compute dtype or FP8 + tile scales."""
 
@@ -23,4 +35,4 @@ class Linear:
         return quant.dequant_fp8_block(self.weight, self.scale, self.block).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense(x.dtype))
+        return linear(x, self.dense(x.dtype))

@@ -5,7 +5,8 @@ Streams are [T, hc, D]; every mix is computed in fp32."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from dsv4.ops.linear import linear
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float):
@@ -13,7 +14,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     output stream k, doubly stochastic after Sinkhorn)."""
     flat = x.flatten(1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    m = F.linear(flat, fn.float())
+    m = linear(flat, fn.float())
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(-1, hc, hc)
@@ -44,5 +45,5 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     """V4's final collapse: sigmoid weights from the normalised streams, no Sinkhorn."""
     flat = x.flatten(1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    pre = torch.sigmoid(linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

@@ -17,7 +17,7 @@ from dsv4.cache.storage import KVCacheStorage
 from dsv4.config import LayerRole, ModelConfig
 from dsv4.model.batch import ForwardBatch
 from dsv4.ops import kv as kvops
-from dsv4.ops.linear import Linear
+from dsv4.ops.linear import Linear, linear
 from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import RopeTables, apply_rope
 from torch.profiler import record_function
@@ -43,7 +43,7 @@ class Segments:
         return slice(self.offsets[i], self.offsets[i + 1])
 
 
-def linear(w: dict, name: str, block: int) -> Linear:
+def _proj(w: dict, name: str, block: int) -> Linear:
     return Linear(w[f"{name}.weight"], w.get(f"{name}.scale"), block)
 
 
@@ -67,19 +67,19 @@ class Compressor:
         """-> per segment (index of the first entry emitted, entries [m, width])."""
         r, dtype = self.ratio, x.dtype
         if r == 1:  # V4.1 decoder source: every token is its own entry, no gate
-            latent = self._norm(F.linear(x, self.wkv.to(dtype)))
+            latent = self._norm(linear(x, self.wkv.to(dtype)))
             return [(segs.starts[i], latent[segs.rows(i)]) for i in range(len(segs.starts))]
         if self.v41:  # pooling math in fp32 (the reference keeps these projections fp32)
-            kv_all = F.linear(x.float(), self.wkv.float())
-            gate_all = F.linear(x.float(), self.wgate.float())
+            kv_all = linear(x.float(), self.wkv.float())
+            gate_all = linear(x.float(), self.wgate.float())
         else:
-            kv_all = F.linear(x, self.wkv.to(dtype))
-            gate_all = F.linear(x, self.wgate.to(dtype))
+            kv_all = linear(x, self.wkv.to(dtype))
+            gate_all = linear(x, self.wgate.to(dtype))
         key = (layer, self.state)
         tail_kv, tail_gate = cache.tail_kv[key], cache.tail_gate[key]
         out = []
         for i, b in enumerate(segs.requests):
-            slot, p0, n = batch.slots[b], segs.starts[i], segs.counts[i]
+            slot, p0 = batch.slots[b], segs.starts[i]
             rows = segs.rows(i)
             pend = p0 % r
             kv = torch.cat([tail_kv[slot, :pend].to(kv_all.dtype), kv_all[rows]])
@@ -132,9 +132,9 @@ class Attention:
         self.cfg, self.role, self.rope = cfg, role, rope
         self.v41 = cfg.arch == "v41"
         b = cfg.weight_block_size
-        self.wq_a, self.wq_b = linear(w, p + "wq_a", b), linear(w, p + "wq_b", b)
-        self.wkv = linear(w, p + "wkv", b)
-        self.wo_a, self.wo_b = linear(w, p + "wo_a", b), linear(w, p + "wo_b", b)
+        self.wq_a, self.wq_b = _proj(w, p + "wq_a", b), _proj(w, p + "wq_b", b)
+        self.wkv = _proj(w, p + "wkv", b)
+        self.wo_a, self.wo_b = _proj(w, p + "wo_a", b), _proj(w, p + "wo_b", b)
         self.q_norm, self.kv_norm = w[p + "q_norm.weight"], w[p + "kv_norm.weight"]
         self.sink = w[p + "attn_sink"]
         self.compressor = self.index_compressor = None
@@ -147,7 +147,7 @@ class Attention:
             elif role.kind == "csa":
                 self.index_compressor = Compressor(w, p + "indexer.compressor.", cfg, r, cfg.index_head_dim, True, "idx")
         if role.runs_indexer:
-            self.idx_wq_b = linear(w, p + "indexer.wq_b", b)
+            self.idx_wq_b = _proj(w, p + "indexer.wq_b", b)
             self.idx_weights = w[p + "indexer.weights_proj.weight"]
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ class Attention:
     def compress(self, x: torch.Tensor, segs: Segments, batch: ForwardBatch, cache: KVCacheStorage) -> None:
         """Run the compressor(s) over these rows and write the completed entries (compressed
         KV and indexer keys) into the request's blocks."""
-        layer, r, cfg = self.role.index, self.role.compress_ratio, self.cfg
+        layer, r = self.role.index, self.role.compress_ratio
         ckv, idx = cache.ckv[layer], cache.idx.get(layer)
         main = self.compressor(x, segs, batch, cache, layer)
         index = self.index_compressor(x, segs, batch, cache, layer) if self.index_compressor else None
@@ -175,7 +175,7 @@ class Attention:
             blocks, offs = kvops.entry_locations(batch.block_tables[b], entries, r, cache.block_size)
             if idx is not None:
                 if self.v41:  # indexer keys come from the PRE-RoPE latent
-                    keys = self.norm(F.linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)
+                    keys = self.norm(linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)
                 else:
                     keys = index[i][1][keep]
                 kvops.store(idx, (blocks, offs), apply_rope(keys, cos, sin), "idx")
@@ -193,7 +193,7 @@ class Attention:
         q = apply_rope(q, cos, sin)
         if self.v41:
             q = kvops.round_trip(idx_cache, q, "idx")  # QAT: the query is FP4 too
-        weights = F.linear(x, self.idx_weights.to(x.dtype)).float() * ih**-0.5
+        weights = linear(x, self.idx_weights.to(x.dtype)).float() * ih**-0.5
         topk, cands = {}, {}
         for i, b in enumerate(segs.requests):
             rows = segs.rows(i)

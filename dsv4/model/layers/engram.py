@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dsv4.config import ModelConfig
 from dsv4.model import quant

@@ -4,11 +4,10 @@ V4; hash-routed on V4's first layers), routed experts and the shared expert."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dsv4.config import ModelConfig
 from dsv4.ops import moe as moe_ops
-from dsv4.ops.linear import Linear
+from dsv4.ops.linear import Linear, linear
 
 
 class MoE:
@@ -30,9 +29,9 @@ class MoE:
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, trace: dict | None = None, tag: str = "") -> torch.Tensor:
         cfg = self.cfg
         if self.v41:
-            scores = moe_ops.sqrtsoftplus(F.linear(x.float(), self.gate.float()) / cfg.gate_temp)
+            scores = moe_ops.sqrtsoftplus(linear(x.float(), self.gate.float()) / cfg.gate_temp)
         else:
-            scores = moe_ops.sqrtsoftplus(F.linear(x, self.gate.to(x.dtype)))
+            scores = moe_ops.sqrtsoftplus(linear(x, self.gate.to(x.dtype)))
         fixed = self.tid2eid[input_ids] if self.tid2eid is not None else None
         weights, indices = moe_ops.route(scores, self.bias, self.top_k, fixed, cfg.routed_scaling_factor, cfg.norm_topk_prob)
         if trace is not None and fixed is None:
