@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving layer: prompt encoding, output parsing and the HTTP API."""
