@@ -463,3 +463,60 @@ def yarn_ramp_bounds(dim: int, base: float, yarn: Yarn) -> tuple[float, float]:
         return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     return max(math.floor(corr(yarn.beta_fast)), 0), min(math.ceil(corr(yarn.beta_slow)), dim - 1)
+
+
+# ------------------------------------------------------------------------------ engine
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    """Every engine option, with vLLM's names where the concept is the same. One home: the
+    `LLM` keyword arguments and the `dsv4 serve` / `dsv4 generate` flags map onto these."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 256
+    kv_cache_memory: int | None = None  # bytes for blocks + state slots; None: see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # fraction of free GPU memory when kv_cache_memory is None
+    enable_prefix_caching: bool = True
+    swa_bounded_replay: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    scheduling_policy: str = "fcfs"
+    max_model_len: int | None = None
+    max_prefix_loads_per_step: int | None = None  # cap on requests admitted with a prefix hit per step
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def fail(field_name: str, expected: str, got) -> None:
+            raise ConfigError(f"{field_name}: expected {expected}, got {got!r}")
+
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            fail("device", "'cpu' or 'cuda'", self.device)
+        if self.dtype not in DTYPES:
+            fail("dtype", f"one of {DTYPES}", self.dtype)
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            fail("block_size", "a positive integer", self.block_size)
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
+            fail("kv_cache_memory", "a positive number of bytes", self.kv_cache_memory)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail("gpu_memory_utilization", "a fraction in (0, 1]", self.gpu_memory_utilization)
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs <= 0:
+            fail("max_num_seqs", "a positive integer", self.max_num_seqs)
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens <= 0:
+            fail("max_num_batched_tokens", "a positive integer", self.max_num_batched_tokens)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            fail("scheduling_policy", f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
+            fail("max_model_len", "a positive integer", self.max_model_len)
+        if self.max_prefix_loads_per_step is not None and self.max_prefix_loads_per_step <= 0:
+            fail("max_prefix_loads_per_step", "a positive integer or None", self.max_prefix_loads_per_step)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]

@@ -259,9 +259,9 @@ class Attention:
         out = torch.empty_like(q)
         for i, b in enumerate(segs.requests):
             rows = segs.rows(i)
-            keys, key_pos = self._window_keys(ring, kv[rows], batch.slots[b], segs.starts[i], segs.floors[i], dtype)
+            keys, valid = self._window_keys(ring, kv[rows], segs.positions[rows], batch.slots[b], segs.starts[i], segs.floors[i], dtype)
             comp, comp_valid = self._compressed_keys(b, segs, i, batch, cache, shared, dtype)
-            out[rows] = self._attend(q[rows], segs.positions[rows], keys, key_pos, comp, comp_valid)
+            out[rows] = self._attend(q[rows], keys, valid, comp, comp_valid)
             self._write_ring(ring, kv[rows], batch.slots[b], segs.starts[i])
         out = apply_rope(out, cos, sin, inverse=True)
         g = cfg.o_groups
@@ -270,15 +270,18 @@ class Attention:
         mid = torch.einsum("tgi,goi->tgo", grouped, wo_a).flatten(1)
         return self.wo_b(mid)
 
-    def _window_keys(self, ring, kv_new, slot, p0, floor, dtype):
-        """Keys of positions max(floor, p0-W+1) .. p0+n-1: the ring holds those before p0."""
+    def _window_keys(self, ring, kv_new, q_pos, slot, p0, floor, dtype):
+        """Per query, its window in canonical slot order: slot i holds position p-W+1+i.
+        Positions before p0 come from the ring, the rest from this step's keys. A fixed
+        per-query layout makes each query's arithmetic independent of how many tokens the
+        step has (batch invariance). -> keys [n, W, d], valid [n, W]."""
         w = self.cfg.window
         first = max(floor, p0 - w + 1, 0)
         old_pos = torch.arange(first, p0, device=kv_new.device)
-        old = kvops.load(ring, (slot, old_pos % w), "window", dtype)
-        new_pos = torch.arange(p0, p0 + kv_new.shape[0], device=kv_new.device)
-        return torch.cat([old, kv_new]), torch.cat([old_pos, new_pos])
-
+        seq = torch.cat([kvops.load(ring, (slot, old_pos % w), "window", dtype), kv_new])
+        pos = q_pos.unsqueeze(1) - w + 1 + torch.arange(w, device=kv_new.device)
+        valid = pos >= first
+        return seq[(pos - first).clamp_min(0)], valid
     def _write_ring(self, ring, kv_new, slot, p0):
         w, n = self.cfg.window, kv_new.shape[0]
         keep = min(n, w)
@@ -310,16 +313,13 @@ class Attention:
         comp = kvops.load(cache.ckv[role.kv_source], (blocks, offs), "ckv", dtype)
         return comp, valid
 
-    def _attend(self, q, q_pos, keys, key_pos, comp, comp_valid):
-        """One softmax over window keys and selected compressed entries, with the per-head
-        sink in the denominator; K = V (shared latent)."""
+    def _attend(self, q, keys, valid, comp, comp_valid):
+        """One softmax over the window keys and the selected compressed entries, with the
+        per-head sink in the denominator; K = V (shared latent). Logits are rounded to the
+        activation dtype before the fp32 softmax, as the reference does."""
         scale = self.cfg.head_dim**-0.5
-        w = self.cfg.window
-        logits = torch.einsum("nhd,kd->nhk", q, keys) * scale
-        dist = q_pos.unsqueeze(-1) - key_pos
-        mask = (dist >= 0) & (dist < w)
-        logits = logits.float().masked_fill(~mask.unsqueeze(1), float("-inf"))
-        parts = [logits]
+        logits = (torch.einsum("nhd,nwd->nhw", q, keys) * scale).float()
+        parts = [logits.masked_fill(~valid.unsqueeze(1), float("-inf"))]
         if comp is not None:
             cl = (torch.einsum("nhd,nkd->nhk", q, comp) * scale).float()
             parts.append(cl.masked_fill(~comp_valid.unsqueeze(1), float("-inf")))
@@ -327,8 +327,8 @@ class Attention:
         allp = torch.cat(parts + [sink], dim=-1)
         allp = allp - allp.amax(-1, keepdim=True)
         probs = torch.softmax(allp, dim=-1)[..., :-1].to(q.dtype)
-        kw = keys.shape[0]
-        out = torch.einsum("nhk,kd->nhd", probs[..., :kw], keys)
+        kw = keys.shape[1]
+        out = torch.einsum("nhw,nwd->nhd", probs[..., :kw], keys)
         if comp is not None:
             out = out + torch.einsum("nhk,nkd->nhd", probs[..., kw:], comp)
         return out
