@@ -21,7 +21,14 @@ from rich.console import Console
 
 from .metrics import summarize
 from .replay import PointRun, ReplayConfig, Replayer
-from .report import append_jsonl, plot_runs, point_table, read_runs, summary_lines, sweep_summary
+from .report import (
+    append_jsonl,
+    plot_runs,
+    point_table,
+    read_runs,
+    summary_lines,
+    sweep_summary,
+)
 from .workloads import PROFILES, Workload, agentx_synth, random_workload, weka_traces
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64,128"

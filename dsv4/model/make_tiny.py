@@ -24,7 +24,11 @@ from dsv4.config import ConfigError, ModelConfig, parse_config
 from dsv4.model import quant
 from dsv4.model.layers.engram import engram_primes
 from dsv4.model.spec import ENGRAM, FP4, FP8, SCALE, TensorSpec, checkpoint_spec
-from dsv4.model.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, packaged_tokenizer_dir
+from dsv4.model.tokenizer import (
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    packaged_tokenizer_dir,
+)
 
 # Backbone attention schedules of the golden sets (draft-stage zeros are appended per config).
 V41_RATIOS = [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from dsv4.ops.linear import linear
 from torch.profiler import record_function
 
 from dsv4.cache.storage import KVCacheStorage
@@ -19,6 +17,7 @@ from dsv4.model.batch import ForwardBatch
 from dsv4.model.layers.attention import Attention, Segments
 from dsv4.model.layers.engram import Engram, EngramHasher
 from dsv4.model.layers.moe import MoE
+from dsv4.ops.linear import linear
 from dsv4.ops.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
 from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import RopeTables

@@ -31,12 +31,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from safetensors import SafetensorError, safe_open
 
 from dsv4.config import ModelConfig
 from dsv4.model import quant
-from dsv4.model.spec import ENGRAM, FP4, FP8, IGNORED_PREFIXES, PLAIN, SCALE, TensorSpec, checkpoint_spec
+from dsv4.model.spec import (
+    ENGRAM,
+    FP4,
+    FP8,
+    IGNORED_PREFIXES,
+    PLAIN,
+    SCALE,
+    TensorSpec,
+    checkpoint_spec,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

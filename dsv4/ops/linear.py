@@ -6,16 +6,20 @@ import torch.nn.functional as F
 
 from dsv4.model import quant
 
+# BLAS picks different kernels (with different rounding) for matrices of only a few rows;
+# from this many rows on, every row's result is the same whatever the row count.
+MIN_GEMM_ROWS = 16
+
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`x @ w^T` whose rows do not depend on how many rows the call has.
 
-    BLAS takes a matrix-vector path for a single row whose rounding differs from its
-    matrix-matrix path; padding one row to two keeps every row on the same path, so a
-    request's results are bitwise the same alone or batched (exact-mode prefix hits and
+    Calls with fewer than MIN_GEMM_ROWS rows are padded with zero rows, so a request's results
+    are bitwise the same alone or batched, chunked or not (exact-mode prefix hits and
     batch-invariant greedy decoding rely on it)."""
-    if x.dim() == 2 and x.shape[0] == 1:
-        return F.linear(x.expand(2, -1), w)[:1]
+    if x.dim() == 2 and x.shape[0] < MIN_GEMM_ROWS:
+        pad = x.new_zeros(MIN_GEMM_ROWS - x.shape[0], x.shape[1])
+        return F.linear(torch.cat([x, pad]), w)[: x.shape[0]]
     return F.linear(x, w)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.ops import elementwise
 from dsv4.ops.linear import linear
 
 
@@ -15,8 +16,8 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     flat = x.flatten(1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     m = linear(flat, fn.float())
-    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    pre = elementwise.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * elementwise.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(-1, hc, hc)
     comb = torch.softmax(comb, dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
@@ -45,5 +46,5 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     """V4's final collapse: sigmoid weights from the normalised streams, no Sinkhorn."""
     flat = x.flatten(1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre = torch.sigmoid(linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    pre = elementwise.sigmoid(linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

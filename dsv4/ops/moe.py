@@ -6,11 +6,12 @@ Reference implementation: loop over the experts that received tokens, in ascendi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from dsv4.ops import elementwise
 
 
 def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
-    return F.softplus(x).sqrt()
+    return elementwise.softplus(x).sqrt()
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, fixed: torch.Tensor | None, routed_scale: float, normalize: bool):
@@ -33,7 +34,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     if limit > 0:
         up = up.clamp(-limit, limit)
         gate = gate.clamp(max=limit)
-    return F.silu(gate) * up
+    return elementwise.silu(gate) * up
 
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: list, w2: list, w3: list, limit: float, weight_before_down: bool) -> torch.Tensor:

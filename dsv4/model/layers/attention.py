@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from dsv4.cache.storage import KVCacheStorage
 from dsv4.config import LayerRole, ModelConfig
@@ -20,7 +21,6 @@ from dsv4.ops import kv as kvops
 from dsv4.ops.linear import Linear, linear
 from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import RopeTables, apply_rope
-from torch.profiler import record_function
 
 
 @dataclass
@@ -41,6 +41,14 @@ class Segments:
 
     def rows(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])
+
+
+def topk_lowest_index_on_ties(scores: torch.Tensor, k: int):
+    """Top-k along the last axis where equal scores prefer the lower index. ReLU index scores
+    are exactly 0 for many entries; torch.topk breaks such ties differently for different
+    tensor lengths, which would make a chunked prefill select differently from a whole one."""
+    values, indices = scores.sort(dim=-1, descending=True, stable=True)
+    return torch.return_types.topk((values[..., :k], indices[..., :k]))
 
 
 def _proj(w: dict, name: str, block: int) -> Linear:
@@ -198,7 +206,7 @@ class Attention:
         for i, b in enumerate(segs.requests):
             rows = segs.rows(i)
             total = (segs.starts[i] + segs.counts[i]) // r  # entries in the cache after this step
-            if total == 0:
+            if total == 0 or segs.counts[i] == 0:
                 topk[b] = torch.full((segs.counts[i], 0), -1, dtype=torch.long, device=x.device)
                 continue
             entries = torch.arange(total, device=x.device)
@@ -213,8 +221,12 @@ class Attention:
             elif role.uses_candidates and b in shared.get("cand", {}):
                 scores = scores.masked_fill(~shared["cand"][b], float("-inf"))
             k = min(cfg.index_topk, total)
-            top = scores.topk(k, dim=-1)
-            topk[b] = torch.where(top.values > float("-inf"), top.indices, -1)
+            top = topk_lowest_index_on_ties(scores, k)
+            # ascending entry order, empty picks last: the attention then sums the selected
+            # entries in an order that does not depend on near-equal scores
+            picks = torch.where(top.values > float("-inf"), top.indices, total)
+            picks = picks.sort(dim=-1).values
+            topk[b] = torch.where(picks < total, picks, -1)
             if batch.trace is not None:
                 batch.trace.setdefault(f"L{role.index}.index_topk", []).append(topk[b])
         shared["topk"] = topk
@@ -232,7 +244,7 @@ class Attention:
         n_blocks = block_scores.shape[-1]
         newest = (visible - 1) // cbs
         block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
-        top = block_scores.topk(min(n_keep, n_blocks), dim=-1)
+        top = topk_lowest_index_on_ties(block_scores, min(n_keep, n_blocks))
         keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
         if trace is not None:
             picks = torch.where(top.values > float("-inf"), top.indices, -1)
@@ -258,6 +270,8 @@ class Attention:
                 self.select(x, q_res, segs, batch, cache, shared)
         out = torch.empty_like(q)
         for i, b in enumerate(segs.requests):
+            if segs.counts[i] == 0:  # no decoder rows of this request in this step
+                continue
             rows = segs.rows(i)
             keys, valid = self._window_keys(ring, kv[rows], segs.positions[rows], batch.slots[b], segs.starts[i], segs.floors[i], dtype)
             comp, comp_valid = self._compressed_keys(b, segs, i, batch, cache, shared, dtype)
@@ -267,7 +281,7 @@ class Attention:
         g = cfg.o_groups
         grouped = out.reshape(-1, g, h * hd // g)
         wo_a = self.wo_a.dense(dtype).view(g, -1, h * hd // g)
-        mid = torch.einsum("tgi,goi->tgo", grouped, wo_a).flatten(1)
+        mid = torch.cat([linear(grouped[:, k], wo_a[k]) for k in range(g)], dim=-1)
         return self.wo_b(mid)
 
     def _window_keys(self, ring, kv_new, q_pos, slot, p0, floor, dtype):

@@ -8,6 +8,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.model import quant
+from dsv4.ops import elementwise
 from dsv4.ops.linear import Linear
 
 
@@ -122,5 +123,5 @@ class Engram:
         eps = cfg.rms_norm_eps
         rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
         dot = (h * self.gate_weight * key).sum(-1) * rstd * d**-0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        gate = elementwise.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         return (h + gate.unsqueeze(-1) * value.unsqueeze(1)).to(dtype)
