@@ -104,7 +104,8 @@ def dequant_fp4_expert(packed: torch.Tensor, scale: torch.Tensor, name: str = "w
 
 
 def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: int = 32, name: str = "weight") -> torch.Tensor:
-    """Engram table rows: FP8 e4m3 [rows, dim] times an E8M0 scale per `block` channels of a row."""
+    """FP8 e4m3 [rows, dim] times an E8M0 scale per `block` channels of a row: engram table rows,
+    and routed experts converted exactly from FP4 (their scales are per 32 inputs)."""
     rows, dim = weight.shape
     if tuple(scale.shape) != (rows, dim // block) or dim % block:
         raise FormatError(f"{name}.scale: expected shape {[rows, dim // block]}, got {list(scale.shape)}")

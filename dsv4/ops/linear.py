@@ -24,10 +24,12 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class Linear:
-    """One projection `y = x @ W^T`, W either in the compute dtype or FP8 + tile scales."""
+    """One projection `y = x @ W^T`, W either in the compute dtype or FP8 with E8M0 scales:
+    one per `block` x `block` tile (dense projections), or with `row_scales=True` one per 32
+    inputs of a row (routed experts converted exactly from FP4)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, block: int = 0):
-        self.weight, self.scale, self.block = weight, scale, block
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, block: int = 0, row_scales: bool = False):
+        self.weight, self.scale, self.block, self.row_scales = weight, scale, block, row_scales
 
     @property
     def out_features(self) -> int:
@@ -36,6 +38,8 @@ class Linear:
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self.scale is None:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        if self.row_scales:
+            return quant.dequant_fp8_rows(self.weight, self.scale, 32).to(dtype)
         return quant.dequant_fp8_block(self.weight, self.scale, self.block).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,12 +18,13 @@ class MoE:
         self.bias = w.get(prefix + "gate.bias")
         self.tid2eid = w[prefix + "gate.tid2eid"].long() if hash_moe else None
 
-        def lin(name):
-            return Linear(w[name + ".weight"], w.get(name + ".scale"), b)
+        def lin(name, row_scales=False):
+            return Linear(w[name + ".weight"], w.get(name + ".scale"), b, row_scales)
 
-        self.w1 = [lin(f"{prefix}experts.{e}.w1") for e in range(n_experts)]
-        self.w2 = [lin(f"{prefix}experts.{e}.w2") for e in range(n_experts)]
-        self.w3 = [lin(f"{prefix}experts.{e}.w3") for e in range(n_experts)]
+        # routed experts arrive FP4-converted-to-FP8 with a scale per 32 inputs when compact
+        self.w1 = [lin(f"{prefix}experts.{e}.w1", True) for e in range(n_experts)]
+        self.w2 = [lin(f"{prefix}experts.{e}.w2", True) for e in range(n_experts)]
+        self.w3 = [lin(f"{prefix}experts.{e}.w3", True) for e in range(n_experts)]
         self.s1, self.s2, self.s3 = (lin(f"{prefix}shared_experts.{n}") for n in ("w1", "w2", "w3"))
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, trace: dict | None = None, tag: str = "") -> torch.Tensor:
