@@ -8,9 +8,11 @@ have different limits:
 * `fp8_linear_w8a16` (decode, few rows, memory bound): the weight tile is loaded as FP8 (one
   byte per weight crosses HBM), converted to bf16 in registers and multiplied on bf16 tensor
   cores; the block scale, a power of two, is applied to each block's partial product in the
-  fp32 accumulator, so the result equals the reference up to fp32 summation order. Split-K
-  spreads a short, wide-K problem over all SMs; partial sums go to a workspace that is summed
-  in a fixed order (no atomics: results do not change from run to run).
+  fp32 accumulator, so the result equals the reference up to fp32 summation order. K is cut
+  into chunks fixed by the weight's shape (never by M) and the chunk sums are added in a fixed
+  order — in one program when there are many row tiles, or one program per chunk (split-K,
+  filling the SMs at decode) plus a sum kernel: the same bits either way, so a row's result
+  does not depend on the batch it came in (batch invariance) and no atomics are used.
 * `fp8_linear_w8a8` (prefill, many rows, compute bound): the activations are first quantised
   to FP8 per (row, `block` columns) with a power-of-two scale (`fp8_act_quant`, the DeepSeek
   reference's activation quantiser, bit-identical to `quant.quantize_fp8_ue8m0`), then both
@@ -19,9 +21,12 @@ have different limits:
   numerics, not HF's (which does not quantise activations): the error against the w8a16
   reference is that of one e4m3 rounding of x (about 2**-5 relative per element).
 
-`fp8_linear` picks one by the number of rows (`W8A8_MIN_ROWS`). Because the two paths differ
-numerically, a token's result depends on which path its batch took; callers that need
-batch-invariant greedy decoding should call one path explicitly.
+`fp8_linear` picks one by the number of rows (`W8A8_MIN_ROWS`). The two paths differ
+numerically (and the FP8 path's autotuned tiles depend on the row count), so through the
+dispatcher a token's result depends on which path its batch took; callers that need
+batch-invariant greedy decoding call `fp8_linear_w8a16` (the row tile, 16 up to 64 rows and
+64 above, is the one M-dependent choice left; scripts/check_kernels.py checks that it does not
+change the bits).
 
 Scale bytes are turned into 2**(byte - 127) by building the fp32 bits, which is exact for the
 bytes a checkpoint holds (1..254); byte 0 (2**-127, a subnormal) reads as 0 and 0xFF (NaN) as
@@ -40,7 +45,7 @@ from dsv4.model import quant
 
 # Rows from which `fp8_linear` switches from the weight-only kernel to the FP8 x FP8 kernel.
 W8A8_MIN_ROWS = 1024
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)  # largest float8_e4m3fn (constexpr: kernels read it)
 
 
 @triton.jit
@@ -54,14 +59,22 @@ def round_to_e4m3(v):
     """Round fp32 values with |v| <= 448 to the nearest e4m3 value (ties to even), in fp32.
 
     After this the cast to float8e4nv is exact, whatever rounding the backend's cast uses (the
-    Triton interpreter's cast drops the carry when rounding crosses a power of two). The step
-    between e4m3 neighbours is 2**(e - 3) for a value in [2**e, 2**(e+1)), and 2**-9 below
-    2**-6 (subnormals); v / step is rounded to an integer with the 1.5 * 2**23 trick."""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp_e = tl.maximum(e - 3, -9)
-    t = v * ((127 - ulp_e) << 23).to(tl.float32, bitcast=True)
-    t = (t + 12582912.0) - 12582912.0
-    return t * ((127 + ulp_e) << 23).to(tl.float32, bitcast=True)
+    Triton interpreter's cast drops the carry when rounding crosses a power of two). Integer
+    arithmetic on the 24-bit significand, so no compiler can fold it away: e4m3 keeps 3 bits
+    after the leading one for exponents >= -6, one fewer per step below (subnormals, step
+    2**-9); values below 2**-10 round to zero. The sign bit is put back (a value that rounds
+    to zero keeps it, as a cast would)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    sig = (bits & 0x7FFFFF) | 0x800000
+    drop = tl.minimum(20 + tl.maximum(-6 - e, 0), 25)
+    q = sig >> drop
+    rem = sig - (q << drop)
+    half = 1 << (drop - 1)
+    q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    unit = (tl.maximum(e + 104, 1) << 23).to(tl.float32, bitcast=True)  # 2**(e - 23)
+    mag = (q << drop).to(tl.float32) * unit
+    return (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 # ------------------------------------------------------------------------------ w8a16 kernel
@@ -71,12 +84,16 @@ def round_to_e4m3(v):
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr,
     M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_split,
-    K_STEPS, STEPS_PER_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_om, stride_chunk,
+    K_STEPS, CHUNK_STEPS, CHUNKS_PER_PROGRAM,
     QBLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] output tile over one split of K. BLOCK_K divides QBLOCK, so one
-    K step lies in one scale block: its partial product is scaled per output column."""
+    """One [BLOCK_M, BLOCK_N] output tile over CHUNKS_PER_PROGRAM consecutive K chunks.
+
+    BLOCK_K divides QBLOCK (both powers of two), so one K step lies in one scale block: its partial product is
+    scaled per output column. Each chunk of CHUNK_STEPS steps is summed on its own and the
+    chunk sums are added in order to a zero total, so the bits are the same whether one
+    program runs all chunks or each chunk has a program and `_chunk_sum_kernel` adds them."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -88,53 +105,82 @@ def _w8a16_kernel(
     x_rows = x_ptr + rm[:, None] * stride_xm
     w_rows = w_ptr + rn[:, None] * stride_wn
     s_rows = s_ptr + (rn // QBLOCK) * stride_sn
-    first = pid_k * STEPS_PER_SPLIT
-    last = tl.minimum(first + STEPS_PER_SPLIT, K_STEPS)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(first, last):
-        k = step * BLOCK_K + rk
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        s = e8m0_to_fp32(tl.load(s_rows + (step * BLOCK_K) // QBLOCK, mask=n_ok, other=0))
-        acc += tl.dot(x, tl.trans(w.to(tl.bfloat16))) * s[None, :]
-    out = out_ptr + pid_k * stride_split + rm[:, None] * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first_chunk = pid_k * CHUNKS_PER_PROGRAM
+    for chunk in range(first_chunk, first_chunk + CHUNKS_PER_PROGRAM):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(chunk * CHUNK_STEPS, tl.minimum(chunk * CHUNK_STEPS + CHUNK_STEPS, K_STEPS)):
+            k = step * BLOCK_K + rk
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            s = e8m0_to_fp32(tl.load(s_rows + (step * BLOCK_K) // QBLOCK, mask=n_ok, other=0))
+            acc += tl.dot(x, tl.trans(w.to(tl.bfloat16))) * s[None, :]
+        total += acc
+    out = out_ptr + pid_k * stride_chunk + rm[:, None] * stride_om + rn[None, :]
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _num_sms(device: torch.device) -> int:
+@triton.jit
+def _chunk_sum_kernel(part_ptr, out_ptr, numel, CHUNKS, BLOCK: tl.constexpr):
+    """out = bf16(((0 + part[0]) + part[1]) + ...), the order `_w8a16_kernel` adds chunks in."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(CHUNKS):
+        total += tl.load(part_ptr + c * numel + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, total.to(tl.bfloat16), mask=ok)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (4 stands in for the CPU interpreter)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
+# Tiles of the weight-only kernel: 64 output columns, 32 inputs per K step (one V4.1 scale
+# block; larger steps spill registers on sm_90 for V4's 128 blocks).
+W8A16_BLOCK_N = 64
+W8A16_BLOCK_K = 32
+
+
+def w8a16_chunks(n: int, k: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(K steps per chunk, chunks) of a weight: from N, K and the SM count only, never from M,
+    so a row's result does not depend on how many rows the call has. Chunks are sized so that
+    a one-row-tile call fills two waves of SMs, each chunk keeping >= 8 K steps to pipeline."""
+    steps = triton.cdiv(k, min(block, W8A16_BLOCK_K))
+    tiles_n = triton.cdiv(n, W8A16_BLOCK_N)
+    chunks = max(1, min(2 * num_sms(device) // tiles_n, steps // 8, 16))
+    per = triton.cdiv(steps, chunks)
+    return per, triton.cdiv(steps, per)
+
+
 def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int) -> torch.Tensor:
-    """Weight-only dequantisation in the kernel; bf16 x bf16 tensor-core products (any M)."""
+    """Weight-only dequantisation in the kernel; bf16 x bf16 tensor-core products (any M).
+
+    Few row tiles (decode): one program per K chunk, then a fixed-order chunk sum; many row
+    tiles: each program runs all chunks. Both give the same bits (see `_w8a16_kernel`)."""
     x2, lead, w_scale = _check(x, w, w_scale, block)
     m, k = x2.shape
     n = w.shape[0]
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    bn = 64 if m <= 64 else 128
-    bk = min(block, 128)
+    if m == 0:
+        return x.new_empty(*lead, n)
+    bm = 16 if m <= 64 else 64
+    bn, bk = W8A16_BLOCK_N, min(block, W8A16_BLOCK_K)
+    per, chunks = w8a16_chunks(n, k, block, x.device)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    steps = triton.cdiv(k, bk)
-    # Enough programs for two waves over the SMs, each split keeping >= 8 K steps to pipeline.
-    split = max(1, min(2 * _num_sms(x.device) // tiles, steps // 8, 16))
-    per = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, per)
-    if split == 1:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    _w8a16_kernel[grid](
-        x2, w, w_scale, out, m, n, k,
-        x2.stride(0), w.stride(0), w_scale.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
-        steps, per, QBLOCK=block, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4, num_stages=6 if bk <= 32 else 4,
+    split = chunks if chunks > 1 and tiles < num_sms(x.device) else 1
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    _w8a16_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
+        x2, w, w_scale, part, m, n, k,
+        x2.stride(0), w.stride(0), w_scale.stride(0), n, m * n,
+        triton.cdiv(k, bk), per, chunks // split, QBLOCK=block, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=4 if bm == 16 else 8, num_stages=6 if bm == 16 else 4,
     )
     if split > 1:
-        out = out.sum(0).to(torch.bfloat16)
+        _chunk_sum_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, split, BLOCK=1024, num_warps=4)
     return out.view(*lead, n)
 
 
@@ -165,6 +211,7 @@ def _act_quant_kernel(
 def fp8_act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16 [M, K] -> (float8_e4m3fn [M, K], exponent bytes uint8 [M, ceil(K/block)]); equal
     to `quant.quantize_fp8_ue8m0(x, block)` when K is a multiple of `block`."""
+    x = x.contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, triton.cdiv(k, block), dtype=torch.uint8, device=x.device)
@@ -180,19 +227,21 @@ def on_gpu() -> bool:
     return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def _w8a8_configs():
-    """Tile shapes for the FP8 GEMM; autotuned once per (N, K, row class) on the device."""
-    if not on_gpu():
+def w8a8_configs(gpu: bool) -> list:
+    """Tile shapes for the FP8 GEMM, autotuned once per (N, K, row class) on the device (one
+    small tile in the interpreter). All 8 warps with 32-wide K steps: with 4 warps or 64/128
+    wide steps ptxas spills on sm_90 (128 x 128 still spills a little; kept: it may win)."""
+    if not gpu:
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 4}, num_warps=4, num_stages=2)]
     return [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=5),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "GROUP_M": 8}, num_warps=4, num_stages=5),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
     ]
 
 
-@triton.autotune(configs=_w8a8_configs(), key=["N", "K", "ROW_CLASS"])
+@triton.autotune(configs=w8a8_configs(on_gpu()), key=["N", "K", "ROW_CLASS"])
 @triton.jit
 def _w8a8_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr,
@@ -222,7 +271,7 @@ def _w8a8_kernel(
     as_rows = as_ptr + rm * stride_asm
     ws_rows = ws_ptr + (rn // QBLOCK) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, tl.cdiv(K, BLOCK_K)):
+    for step in range(tl.cdiv(K, BLOCK_K)):
         k = step * BLOCK_K + rk
         k_ok = k < K
         a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -230,7 +279,7 @@ def _w8a8_kernel(
         kb = (step * BLOCK_K) // QBLOCK
         sa = e8m0_to_fp32(tl.load(as_rows + kb, mask=m_ok, other=0))
         sw = e8m0_to_fp32(tl.load(ws_rows + kb, mask=n_ok, other=0))
-        acc += tl.dot(a, tl.trans(w)) * (sa[:, None] * sw[None, :])
+        acc += tl.dot(a, tl.trans(w)) * sa[:, None] * sw[None, :]
     out = out_ptr + rm[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -243,6 +292,8 @@ def fp8_linear_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
         raise ValueError(f"fp8_linear_w8a8: block must be >= 32 for FP8 MMA, got {block}")
     m, k = x2.shape
     n = w.shape[0]
+    if m == 0:
+        return x.new_empty(*lead, n)
     xq, xs = fp8_act_quant(x2, block)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
 
@@ -252,7 +303,7 @@ def fp8_linear_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     _w8a8_kernel[grid](
         xq, xs, w, w_scale, out, m, n, k, min(m.bit_length(), 14),
         xq.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
-        QBLOCK=block, BLOCK_K=min(block, 128),
+        QBLOCK=block, BLOCK_K=32,
     )
     return out.view(*lead, n)
 
