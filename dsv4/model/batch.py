@@ -36,6 +36,11 @@ class ForwardBatch:
     logits_rows: torch.Tensor | None = None
     # Optional recorder of selections (experts, index top-k, candidate blocks) for tests.
     trace: dict | None = None
+    # Optional recorder of what the draft stages read from the target, for the logits rows:
+    # "final_streams" [R, hc, D] (the last layer's streams before the final collapse; V4 MTP
+    # input) and "dspark" {layer: [R, D]} (mean over the streams entering each of
+    # cfg.dspark_target_layer_ids; V4.1 DSpark input).
+    capture: dict | None = None
 
     def __post_init__(self) -> None:
         b = len(self.start_pos)

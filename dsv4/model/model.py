@@ -92,6 +92,9 @@ class Model:
                 k = cfg.engram_layer_ids.index(role.index)
                 with record_function("dsv4.engram"):
                     streams = block.engram(streams, hashes[:, k])
+            if batch.capture is not None and role.index in cfg.dspark_target_layer_ids:
+                want = self._select(batch.logits_rows, rows.row_ids)
+                batch.capture.setdefault("dspark", {})[role.index] = streams[want].mean(dim=1)
             residual = streams
             with record_function("dsv4.mhc"):
                 a_pre, a_post, a_comb = block.mixes(streams, "attn")
@@ -121,6 +124,8 @@ class Model:
             pre = f_pre
         want = self._select(batch.logits_rows, rows.row_ids)
         streams = streams[want]
+        if batch.capture is not None:
+            batch.capture["final_streams"] = streams
         if self.v41:
             final = hc_collapse(streams, pre[want])
         else:
