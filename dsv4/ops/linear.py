@@ -43,4 +43,9 @@ class Linear:
         return quant.dequant_fp8_block(self.weight, self.scale, self.block).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None and not self.row_scales and x.is_cuda and x.dtype == torch.bfloat16:
+            # Hopper: the weight stays FP8; the weight-only kernel is batch invariant
+            from dsv4.ops.triton import fp8_linear_w8a16
+
+            return fp8_linear_w8a16(x, self.weight, self.scale, self.block)
         return linear(x, self.dense(x.dtype))
