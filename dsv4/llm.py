@@ -32,14 +32,19 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: expected {len(prompts)} entries (one per prompt), got {len(params_list)}")
         order = []
-        for prompt, p in zip(prompts, params_list):
-            rid = f"gen-{next(self._ids)}"
-            if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt, add_bos=True)
-                self.engine.add_request(rid, ids, p, prompt=prompt)
-            else:
-                self.engine.add_request(rid, list(prompt), p)
-            order.append(rid)
+        try:
+            for prompt, p in zip(prompts, params_list):
+                rid = f"gen-{next(self._ids)}"
+                if isinstance(prompt, str):
+                    ids = self.tokenizer.encode(prompt, add_bos=True)
+                    self.engine.add_request(rid, ids, p, prompt=prompt)
+                else:
+                    self.engine.add_request(rid, list(prompt), p)
+                order.append(rid)
+        except ValueError:  # one bad prompt: nothing of this call stays queued
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
         results: dict[str, RequestOutput] = {}
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), disable=not use_tqdm) as bar:
             task = bar.add_task("generate", total=len(order), rate="")

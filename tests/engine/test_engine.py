@@ -182,3 +182,14 @@ def test_bad_requests_are_rejected_with_the_field(tiny):
         eng.add_request("d", [5, 6], GREEDY)
     eng.abort_request("d")
     assert eng.stats()["blocks_used"] == 0 and not eng.has_unfinished_requests()
+
+
+def test_llm_generate_rejects_a_bad_prompt_without_leaking(tiny):
+    from dsv4.llm import LLM
+
+    llm = LLM(tiny, block_size=16, kv_cache_memory=32 << 20, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5, 6, 7], [5] * 100], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(["hello"], GREEDY, use_tqdm=False)[0]
+    assert len(out.token_ids) == 8 and llm.cache_stats()["blocks_used"] == 0
