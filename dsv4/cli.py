@@ -55,6 +55,39 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    """Print the layer roles and the cache accounting of a model folder or a released config."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from dsv4.cache.manager import CacheSizes
+    from dsv4.cache.reference_configs import released_v4_config, released_v41_config
+    from dsv4.config import load_config, parse_config
+
+    builtin = {"v41": released_v41_config, "v4": released_v4_config}
+    cfg = parse_config(builtin[args.model]()) if args.model in builtin else load_config(args.model)
+    console = Console(width=max(Console().width, 120))
+    roles = Table(title=f"{cfg.arch}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, window {cfg.window}")
+    for col in ("layer", "kind", "ratio", "rope", "KV from", "top-k from", "extras"):
+        roles.add_column(col)
+    for r in cfg.roles:
+        extras = [x for x, on in (("candidate source", r.is_candidate_source), ("uses candidates", r.uses_candidates), ("engram", r.engram), ("hash MoE", r.hash_moe), ("CED split", r.index == cfg.ced_split)) if on]
+        roles.add_row(str(r.index), r.kind, str(r.compress_ratio), r.rope, str(r.kv_source if r.kv_source is not None else "-"), str(r.index_source if r.index_source is not None else "-"), ", ".join(extras))
+    console.print(roles)
+    sizes = CacheSizes.for_config(cfg, args.block_size, getattr(torch, args.dtype))
+    acct = Table(title=f"cache accounting (block {args.block_size} tokens, compute dtype {args.dtype})")
+    acct.add_column("kind")
+    acct.add_column("bytes")
+    for kind, value in sizes.bytes_per_token.items():
+        acct.add_row(f"global KV per token: {kind}", f"{value:,.1f}")
+    for kind, value in sizes.slot_bytes.items():
+        acct.add_row(f"per request slot: {kind}", f"{value:,}")
+    acct.add_row("per block (all KV-source layers)", f"{sizes.block_bytes:,}")
+    console.print(acct)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4.1-Flash / V4-Flash inference and serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_tiny)
+
+    p = sub.add_parser("inspect", help="layer roles and cache accounting of a model folder or a released config")
+    p.add_argument("model", help="a model folder, or 'v41' / 'v4' for the released configs")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.set_defaults(func=_inspect)
 
     p = sub.add_parser("generate", help="generate completions offline")
     p.add_argument("--model", required=True)

@@ -27,3 +27,9 @@ def test_generate_on_a_corrupted_checkpoint_names_the_tensor(tmp_path):
 def test_bad_engine_option_and_missing_model(tmp_path):
     run = _dsv4("generate", "--model", str(tmp_path), "hello")
     assert run.returncode == 2 and "config.json" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_inspect_shows_890_bytes_per_token_for_v41():
+    run = _dsv4("inspect", "v41")
+    assert run.returncode == 0, run.stderr
+    assert "890.0" in run.stdout and "CED split" in run.stdout
