@@ -101,7 +101,7 @@ def test_bounded_replay_hit_beyond_the_window_stays_close(tiny):
     common = set(top_hit) & set(top_cold)
     assert len(common) >= 15
     distance = max(abs(top_hit[t] - top_cold[t]) for t in common)
-    assert distance < 0.5, f"bounded-replay logprob distance {distance:.3f}"
+    assert distance < 0.05, f"bounded-replay logprob distance {distance:.3f}"  # measured 0.007
 
 
 def test_preemption_under_tiny_memory_gives_identical_outputs(tiny):
