@@ -2,8 +2,10 @@
 entries, with sinks, inverse RoPE and the grouped output projection; and the compressed
 branch (compressor, indexer keys, indexer) that feeds it.
 
-The reference path processes requests one by one (each has its own positions, ring slot and
-block table); a fused kernel replaces the per-request loops on GPU.
+The compressor and the indexer walk requests one by one (each has its own positions, ring slot
+and block table). The attention core runs every row of every request at once: per-row gather
+indices (window slots, compressed entries) are built on the host once per `Segments` and shared
+by all layers, so a layer launches a fixed number of kernels whatever the batch size.
 """
 
 from __future__ import annotations
@@ -38,9 +40,108 @@ class Segments:
         self.offsets = [0]
         for c in self.counts:
             self.offsets.append(self.offsets[-1] + c)
+        self._plans: dict = {}
 
     def rows(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])
+
+    def plan(self, key, build):
+        """Index tensors derived from these rows, built once and reused by every layer that
+        runs on them (one host build and upload per forward, not per layer)."""
+        if key not in self._plans:
+            self._plans[key] = build()
+        return self._plans[key]
+
+    def live(self) -> dict[str, torch.Tensor]:
+        """Host tensors over the segments that have rows (zero-count segments contribute
+        nothing): seg (segment index), start, count, floor, offset (first row); and per row
+        row_seg (its live segment) and row_pos (its position)."""
+        return self.plan("live", self._live)
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        idx = [i for i, c in enumerate(self.counts) if c > 0]
+        pick = lambda v: torch.tensor([v[i] for i in idx], dtype=torch.long)
+        live = dict(seg=torch.tensor(idx, dtype=torch.long), start=pick(self.starts), count=pick(self.counts),
+                    floor=pick(self.floors), offset=pick(self.offsets))
+        # per row: which live segment it belongs to, and its position (start + row - offset);
+        # rows of live segments are exactly 0 .. offsets[-1]-1 in order
+        live["row_seg"] = torch.repeat_interleave(torch.arange(len(idx)), live["count"])
+        rows = torch.arange(self.offsets[-1])
+        live["row_pos"] = live["start"][live["row_seg"]] + rows - live["offset"][live["row_seg"]]
+        return live
+
+
+@dataclass
+class WindowPlan:
+    """Window gather for all rows: `ring_index` names the ring rows to decode (positions
+    before each segment's start that some query sees); `keys` [T, W] indexes
+    cat(decoded ring rows, this step's keys) in canonical slot order (slot s of a query at p
+    holds p-W+1+s); `write_rows` / `write_index` store each segment's last min(n, W) keys."""
+
+    ring_index: tuple[torch.Tensor, torch.Tensor]
+    keys: torch.Tensor
+    valid: torch.Tensor
+    write_rows: torch.Tensor
+    write_index: tuple[torch.Tensor, torch.Tensor]
+
+
+def _window_plan(segs: Segments, slots: list[int], w: int, device) -> WindowPlan:
+    lv = segs.live()
+    start, count, off = lv["start"], lv["count"], lv["offset"]
+    slot = torch.tensor([slots[segs.requests[i]] for i in lv["seg"].tolist()], dtype=torch.long)
+    first = torch.maximum(lv["floor"], start - w + 1).clamp_min(0)  # oldest visible position
+    n_old = (start - first).clamp_min(0)  # ring rows a segment reads
+    old_base = torch.cumsum(n_old, 0) - n_old
+    n_ring = int(n_old.sum())
+    old_seg = torch.repeat_interleave(torch.arange(len(n_old)), n_old)
+    old_pos = first[old_seg] + torch.arange(n_ring) - old_base[old_seg]
+
+    seg = lv["row_seg"].unsqueeze(1)
+    q = lv["row_pos"].unsqueeze(1) - w + 1 + torch.arange(w)
+    f, p0 = first[seg], start[seg]
+    valid = q >= f
+    q = torch.maximum(q, f)  # invisible slots read the oldest visible key, as a real key
+    keys = torch.where(q < p0, old_base[seg] + q - f, n_ring + off[seg] + q - p0)
+
+    keep = torch.minimum(count, torch.tensor(w))
+    w_seg = torch.repeat_interleave(torch.arange(len(keep)), keep)
+    j = torch.arange(int(keep.sum())) - (torch.cumsum(keep, 0) - keep)[w_seg]
+    tail = count[w_seg] - keep[w_seg] + j
+    dev = lambda t: t.to(device)
+    return WindowPlan(
+        ring_index=(dev(slot[old_seg]), dev(old_pos % w)),
+        keys=dev(keys), valid=dev(valid),
+        write_rows=dev(off[w_seg] + tail),
+        write_index=(dev(slot[w_seg]), dev((start[w_seg] + tail) % w)),
+    )
+
+
+@dataclass
+class Ragged:
+    """Rows padded to a wider compressed-entry table: each row's own entry count, and the rows
+    of each distinct count (the products over entries run per count, see `Attention._attend`)."""
+
+    width: torch.Tensor  # [T]
+    groups: list[tuple[torch.Tensor, int]]
+
+
+def _ragged(own: torch.Tensor, width: int, device) -> Ragged | None:
+    """Host per-row own entry counts -> None when every row has `width`, else `Ragged`."""
+    if bool((own == width).all()):
+        return None
+    groups = [(torch.nonzero(own == w).squeeze(1).to(device), int(w)) for w in torch.unique(own).tolist() if w > 0]
+    return Ragged(own.to(device), groups)
+
+
+def _entry_locations(segs: Segments, entries: torch.Tensor, batch: ForwardBatch, ratio: int, block_size: int):
+    """Cache locations (blocks, offsets) of per-row compressed entries [T, K] (all real
+    entries of the row's request; masked ones too are read, then weighted 0)."""
+    device = batch.block_tables.device
+    lv = segs.live()
+    req = torch.tensor(segs.requests, dtype=torch.long)[lv["seg"][lv["row_seg"]]].to(device)
+    entries = entries.to(device)
+    per_block = block_size // ratio
+    return batch.block_tables[req.unsqueeze(1), entries // per_block], entries % per_block
 
 
 def topk_lowest_index_on_ties(scores: torch.Tensor, k: int):
@@ -268,15 +369,12 @@ class Attention:
         if role.runs_indexer:
             with record_function("dsv4.indexer"):
                 self.select(x, q_res, segs, batch, cache, shared)
-        out = torch.empty_like(q)
-        for i, b in enumerate(segs.requests):
-            if segs.counts[i] == 0:  # no decoder rows of this request in this step
-                continue
-            rows = segs.rows(i)
-            keys, valid = self._window_keys(ring, kv[rows], segs.positions[rows], batch.slots[b], segs.starts[i], segs.floors[i], dtype)
-            comp, comp_valid = self._compressed_keys(b, segs, i, batch, cache, shared, dtype)
-            out[rows] = self._attend(q[rows], keys, valid, comp, comp_valid)
-            self._write_ring(ring, kv[rows], batch.slots[b], segs.starts[i])
+        plan = segs.plan(("window", cfg.window), lambda: _window_plan(segs, batch.slots, cfg.window, x.device))
+        old = kvops.load(ring, plan.ring_index, "window", dtype)  # each needed ring row decoded once
+        keys = torch.cat([old, kv])[plan.keys]
+        comp, comp_valid, ragged = self._compressed_keys(segs, batch, cache, shared, dtype)
+        out = self._attend(q, keys, plan.valid, comp, comp_valid, ragged)
+        kvops.store(ring, plan.write_index, kv[plan.write_rows], "window")
         out = apply_rope(out, cos, sin, inverse=True)
         g = cfg.o_groups
         grouped = out.reshape(-1, g, h * hd // g)
@@ -284,65 +382,103 @@ class Attention:
         mid = torch.cat([linear(grouped[:, k], wo_a[k]) for k in range(g)], dim=-1)
         return self.wo_b(mid)
 
-    def _window_keys(self, ring, kv_new, q_pos, slot, p0, floor, dtype):
-        """Per query, its window in canonical slot order: slot i holds position p-W+1+i.
-        Positions before p0 come from the ring, the rest from this step's keys. A fixed
-        per-query layout makes each query's arithmetic independent of how many tokens the
-        step has (batch invariance). -> keys [n, W, d], valid [n, W]."""
-        w = self.cfg.window
-        first = max(floor, p0 - w + 1, 0)
-        old_pos = torch.arange(first, p0, device=kv_new.device)
-        seq = torch.cat([kvops.load(ring, (slot, old_pos % w), "window", dtype), kv_new])
-        pos = q_pos.unsqueeze(1) - w + 1 + torch.arange(w, device=kv_new.device)
-        valid = pos >= first
-        return seq[(pos - first).clamp_min(0)], valid
-    def _write_ring(self, ring, kv_new, slot, p0):
-        w, n = self.cfg.window, kv_new.shape[0]
-        keep = min(n, w)
-        pos = torch.arange(p0 + n - keep, p0 + n, device=kv_new.device)
-        kvops.store(ring, (slot, pos % w), kv_new[n - keep :], "window")
-
-    def _compressed_keys(self, b, segs, i, batch, cache, shared, dtype):
+    def _compressed_keys(self, segs, batch, cache, shared, dtype):
         """The compressed entries each query attends: the top-k of the governing index source
-        (V4.1 / V4 CSA), or every visible entry (V4 HCA). -> ([n, k, hd], valid [n, k])."""
+        (V4.1 / V4 CSA), or every visible entry (V4 HCA), padded with masked entries to the
+        widest row. -> ([T, K, hd], valid [T, K], per-row own width [T] or None when every row
+        has K), or Nones when no row has any."""
         role = self.role
         if role.kv_source is None:
-            return None, None
+            return None, None, None
         r = role.compress_ratio
-        n = segs.counts[i]
-        rows = segs.rows(i)
         if role.index_source is None and role.kind == "hca":
-            total = (segs.starts[i] + n) // r
-            entries = torch.arange(total, device=segs.positions.device).expand(n, total)
-            valid = entries < ((segs.positions[rows].unsqueeze(-1) + 1) // r)
-        elif role.index_source is not None and b in shared.get("topk", {}):
-            entries = shared["topk"][b]
-            valid = entries >= 0
+            located = segs.plan(("hca", r), lambda: self._hca_entries(segs, batch, cache.block_size))
+        elif role.index_source is not None and "topk" in shared:
+            topk = shared["topk"]
+            cached = segs.plan(("topk", r), lambda: [None, None])  # [selection, its locations]
+            if cached[0] is not topk:  # a new selection (held, so the identity test is sound)
+                cached[:] = topk, self._topk_entries(segs, topk, batch, cache.block_size)
+            located = cached[1]
         else:
-            return None, None
-        if entries.shape[1] == 0:
-            return None, None
-        safe = entries.clamp_min(0)
-        blocks, offs = kvops.entry_locations(batch.block_tables[b], safe, r, cache.block_size)
-        comp = kvops.load(cache.ckv[role.kv_source], (blocks, offs), "ckv", dtype)
-        return comp, valid
+            return None, None, None
+        if located is None:
+            return None, None, None
+        index, valid, width = located
+        return kvops.load(cache.ckv[role.kv_source], index, "ckv", dtype), valid, width
 
-    def _attend(self, q, keys, valid, comp, comp_valid):
+    def _hca_entries(self, segs, batch, block_size):
+        """Every entry in the cache after this step, visible to a query at p when t < (p+1)//r;
+        entries beyond the row's own request read its entry 0."""
+        r, lv = self.role.compress_ratio, segs.live()
+        total = (lv["start"] + lv["count"]) // r
+        width = int(total.max()) if total.numel() else 0
+        if width == 0:
+            return None
+        entries = torch.arange(width).expand(lv["row_seg"].numel(), width)
+        valid = entries < ((lv["row_pos"] + 1) // r).unsqueeze(1)
+        own = total[lv["row_seg"]]
+        entries = torch.where(entries < own.unsqueeze(1), entries, 0)
+        device = batch.block_tables.device
+        return _entry_locations(segs, entries, batch, r, block_size), valid.to(device), _ragged(own, width, device)
+
+    def _topk_entries(self, segs, topk, batch, block_size):
+        """The published per-request top-k [n_b, k_b] (ascending, -1 = none) as one [T, K]
+        table padded with -1; a request without a selection has none."""
+        r = self.role.compress_ratio
+        live = [i for i, c in enumerate(segs.counts) if c > 0]
+        width = max((topk[segs.requests[i]].shape[1] for i in live if segs.requests[i] in topk), default=0)
+        if width == 0:
+            return None
+        device = batch.block_tables.device
+        parts = []
+        for i in live:
+            t = topk.get(segs.requests[i])
+            if t is None:
+                parts.append(torch.full((segs.counts[i], width), -1, dtype=torch.long, device=device))
+            else:
+                parts.append(F.pad(t, (0, width - t.shape[1]), value=-1) if t.shape[1] < width else t)
+        entries = torch.cat(parts)
+        own = torch.tensor([topk[segs.requests[i]].shape[1] if segs.requests[i] in topk else 0 for i in live], dtype=torch.long)
+        own = own.repeat_interleave(torch.tensor([segs.counts[i] for i in live], dtype=torch.long))
+        return _entry_locations(segs, entries.clamp_min(0), batch, r, block_size), entries >= 0, _ragged(own, width, device)
+
+    def _attend(self, q, keys, valid, comp, comp_valid, ragged: Ragged | None = None):
         """One softmax over the window keys and the selected compressed entries, with the
         per-head sink in the denominator; K = V (shared latent). Logits are rounded to the
-        activation dtype before the fp32 softmax, as the reference does."""
+        activation dtype before the fp32 softmax, as the reference does.
+
+        `ragged` (None: every row owns all K entries): rows padded to a wider table put the
+        sink right after their own entries and the padding (probability 0) after it, so each
+        row's softmax sees its values at the column positions it has when its request runs
+        alone (trailing zeros leave the sum's rounding unchanged); the two products over the
+        entries run per distinct own width, since a matmul's rounding depends on its width."""
         scale = self.cfg.head_dim**-0.5
+        n, h = q.shape[:2]
+        kw = keys.shape[1]
         logits = (torch.einsum("nhd,nwd->nhw", q, keys) * scale).float()
         parts = [logits.masked_fill(~valid.unsqueeze(1), float("-inf"))]
         if comp is not None:
-            cl = (torch.einsum("nhd,nkd->nhk", q, comp) * scale).float()
-            parts.append(cl.masked_fill(~comp_valid.unsqueeze(1), float("-inf")))
-        sink = self.sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-        allp = torch.cat(parts + [sink], dim=-1)
+            if ragged is None:
+                cl = torch.einsum("nhd,nkd->nhk", q, comp)
+            else:
+                cl = q.new_zeros(n, h, comp.shape[1])
+                for rows, w in ragged.groups:
+                    cl[rows, :, :w] = torch.einsum("nhd,nkd->nhk", q[rows], comp[rows, :w])
+            parts.append((cl * scale).float().masked_fill(~comp_valid.unsqueeze(1), float("-inf")))
+        sink = self.sink.float().view(1, -1, 1)
+        if ragged is None:
+            allp = torch.cat(parts + [sink.expand(n, -1, 1)], dim=-1)
+        else:
+            allp = torch.cat(parts + [logits.new_full((n, h, 1), float("-inf"))], dim=-1)
+            at_sink = torch.arange(allp.shape[-1], device=allp.device) == (kw + ragged.width).unsqueeze(1)
+            allp = torch.where(at_sink.unsqueeze(1), sink, allp)
         allp = allp - allp.amax(-1, keepdim=True)
         probs = torch.softmax(allp, dim=-1)[..., :-1].to(q.dtype)
-        kw = keys.shape[1]
         out = torch.einsum("nhw,nwd->nhd", probs[..., :kw], keys)
-        if comp is not None:
-            out = out + torch.einsum("nhk,nkd->nhd", probs[..., kw:], comp)
+        if comp is None:
+            return out
+        if ragged is None:
+            return out + torch.einsum("nhk,nkd->nhd", probs[..., kw:], comp)
+        for rows, w in ragged.groups:
+            out[rows] = out[rows] + torch.einsum("nhk,nkd->nhd", probs[rows, :, kw : kw + w], comp[rows, :w])
         return out
