@@ -144,6 +144,23 @@ def _entry_locations(segs: Segments, entries: torch.Tensor, batch: ForwardBatch,
     return batch.block_tables[req.unsqueeze(1), entries // per_block], entries % per_block
 
 
+@dataclass
+class SelectPlan:
+    """The indexer's gathers for all rows: `locations` of each live segment's entries padded
+    to `width` (the most any request has; padding re-reads the last real entry), per row its
+    live segment, the entries it sees ([R, width]), its newest visible candidate block and the
+    top-k columns it owns ([R, min(index_topk, width)]); `owned` maps each segment with rows
+    and entries to (request, rows, entry count)."""
+
+    width: int
+    owned: dict[int, tuple[int, slice, int]]
+    locations: tuple[torch.Tensor, torch.Tensor]
+    row_seg: torch.Tensor
+    visible: torch.Tensor
+    newest: torch.Tensor
+    in_k: torch.Tensor
+
+
 def topk_lowest_index_on_ties(scores: torch.Tensor, k: int):
     """Top-k along the last axis where equal scores prefer the lower index. ReLU index scores
     are exactly 0 for many entries; torch.topk breaks such ties differently for different
@@ -292,10 +309,18 @@ class Attention:
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, segs: Segments, batch: ForwardBatch, cache: KVCacheStorage, shared: dict) -> None:
         """Indexer of an index source: score every visible entry of the KV source for each
-        query, keep the top-k (two-level with candidate blocks on V4.1), publish per segment."""
+        query, keep the top-k (two-level with candidate blocks on V4.1), publish per segment.
+
+        All requests at once, so a layer launches a fixed number of kernels whatever the
+        batch: each request's entries are padded to the widest request's (padding scores -inf,
+        so the stable sort puts it after every real entry and it is never picked) and each
+        query row is scored against its own request's keys by one batched product per chunk
+        of rows (chunks bound the gathered keys and scores of long prefills). Each score is
+        one dk-long dot product and one sum over heads whatever the padding; checked bitwise
+        against the per-request indexer on CPU (fp32/bf16, ragged decode and prefill)."""
         cfg, role = self.cfg, self.role
-        src, r = role.kv_source, role.compress_ratio
-        idx_cache = cache.idx[src]
+        r = role.compress_ratio
+        idx_cache = cache.idx[role.kv_source]
         ih, ihd = cfg.index_n_heads, cfg.index_head_dim
         q = self.idx_wq_b(q_res).view(-1, ih, ihd)
         cos, sin = self.rope.cos_sin(segs.positions, "compress")
@@ -303,54 +328,102 @@ class Attention:
         if self.v41:
             q = kvops.round_trip(idx_cache, q, "idx")  # QAT: the query is FP4 too
         weights = linear(x, self.idx_weights.to(x.dtype)).float() * ih**-0.5
-        topk, cands = {}, {}
+        plan = segs.plan(("select", r), lambda: self._select_plan(segs, batch, cache.block_size))
+        cands = {}
+        if plan.width > 0:
+            keys = kvops.load(idx_cache, plan.locations, "idx", torch.float32)  # [S, Tmax, dk]
+            q, n = q.float(), q.shape[0]
+            step = max(1, (1 << 26) // (plan.width * (ihd + ih)))  # bounds a chunk's keys and scores
+            scores = torch.cat([
+                (torch.einsum("rhd,rtd->rht", q[c : c + step], keys[plan.row_seg[c : c + step]]).relu() * ihd**-0.5
+                 * weights[c : c + step].unsqueeze(-1)).sum(dim=1)
+                for c in range(0, n, step)
+            ]).masked_fill(~plan.visible, float("-inf"))  # [R, Tmax]
+            if role.is_candidate_source:
+                keep, blocks = self._candidates(scores, plan.newest)
+                shared["cand_rows"] = (segs, keep)
+                for b, rows, total in plan.owned.values():
+                    cands[b] = keep[rows, :total]
+                    if batch.trace is not None:
+                        n_blocks = min(cfg.candidate_topk_blocks, -(-total // cfg.candidate_block_size))
+                        batch.trace.setdefault(f"L{role.index}.candidate_blocks", []).append(blocks[rows, :n_blocks])
+            elif role.uses_candidates and "cand" in shared:
+                scores = scores.masked_fill(~self._candidate_rows(segs, plan, shared), float("-inf"))
+            top = topk_lowest_index_on_ties(scores, min(cfg.index_topk, plan.width))
+            # ascending entry order, empty picks last: the attention then sums the selected
+            # entries in an order that does not depend on near-equal scores; columns beyond a
+            # row's own k (min(index_topk, its request's entries)) are empty
+            picked = (top.values > float("-inf")) & plan.in_k
+            picks = torch.where(picked, top.indices, plan.width).sort(dim=-1).values
+            picks = torch.where(picks < plan.width, picks, -1)
+        topk = {}
         for i, b in enumerate(segs.requests):
-            rows = segs.rows(i)
-            total = (segs.starts[i] + segs.counts[i]) // r  # entries in the cache after this step
-            if total == 0 or segs.counts[i] == 0:
+            if i not in plan.owned:
                 topk[b] = torch.full((segs.counts[i], 0), -1, dtype=torch.long, device=x.device)
                 continue
-            entries = torch.arange(total, device=x.device)
-            blocks, offs = kvops.entry_locations(batch.block_tables[b], entries, r, cache.block_size)
-            keys = kvops.load(idx_cache, (blocks, offs), "idx", torch.float32)
-            scores = torch.einsum("shd,td->sht", q[rows].float(), keys).relu() * ihd**-0.5
-            scores = (scores * weights[rows].unsqueeze(-1)).sum(dim=1)  # [n, T]
-            visible = (segs.positions[rows].unsqueeze(-1) + 1) // r  # entries visible per query
-            scores = scores.masked_fill(entries >= visible, float("-inf"))
-            if role.is_candidate_source:
-                cands[b] = self._candidates(scores, visible, batch.trace)
-            elif role.uses_candidates and b in shared.get("cand", {}):
-                scores = scores.masked_fill(~shared["cand"][b], float("-inf"))
-            k = min(cfg.index_topk, total)
-            top = topk_lowest_index_on_ties(scores, k)
-            # ascending entry order, empty picks last: the attention then sums the selected
-            # entries in an order that does not depend on near-equal scores
-            picks = torch.where(top.values > float("-inf"), top.indices, total)
-            picks = picks.sort(dim=-1).values
-            topk[b] = torch.where(picks < total, picks, -1)
+            _, rows, total = plan.owned[i]
+            topk[b] = picks[rows, : min(cfg.index_topk, total)]
             if batch.trace is not None:
                 batch.trace.setdefault(f"L{role.index}.index_topk", []).append(topk[b])
         shared["topk"] = topk
         if role.is_candidate_source:
             shared["cand"] = cands
 
-    def _candidates(self, scores: torch.Tensor, visible: torch.Tensor, trace: dict | None) -> torch.Tensor:
+    def _select_plan(self, segs: Segments, batch: ForwardBatch, block_size: int) -> SelectPlan:
+        """Host-built once per `Segments` and shared by every index source on them."""
+        r, lv = self.role.compress_ratio, segs.live()
+        total = (lv["start"] + lv["count"]) // r  # entries in the cache after this step, per live segment
+        width = int(total.max()) if total.numel() else 0
+        owned = {}
+        for j, i in enumerate(lv["seg"].tolist()):
+            if int(total[j]) > 0:
+                owned[i] = (segs.requests[i], segs.rows(i), int(total[j]))
+        device = batch.block_tables.device
+        entries = torch.minimum(torch.arange(width), (total - 1).clamp_min(0).unsqueeze(1))  # padding reads the last real entry
+        req = torch.tensor(segs.requests, dtype=torch.long)[lv["seg"]].to(device)
+        per_block = block_size // r
+        entries = entries.to(device)
+        locations = (batch.block_tables[req.unsqueeze(1), entries // per_block], entries % per_block)
+        visible = (lv["row_pos"] + 1) // r  # entries visible per query (all real: visible <= total)
+        own_k = torch.minimum(total, torch.tensor(self.cfg.index_topk))[lv["row_seg"]]
+        dev = lambda t: t.to(device)
+        return SelectPlan(
+            width=width, owned=owned, locations=locations, row_seg=dev(lv["row_seg"]),
+            visible=dev(torch.arange(width) < visible.unsqueeze(1)), newest=dev((visible - 1) // self.cfg.candidate_block_size),
+            in_k=dev(torch.arange(min(self.cfg.index_topk, width)) < own_k.unsqueeze(1)),
+        )
+
+    @staticmethod
+    def _candidate_rows(segs: Segments, plan: SelectPlan, shared: dict) -> torch.Tensor:
+        """The candidate entry mask [R, Tmax] for these rows: the source's padded mask when it
+        ran on the same rows, else rebuilt from the per-request masks (all entries of a request
+        without one)."""
+        held = shared.get("cand_rows")
+        if held is not None and held[0] is segs:
+            return held[1]
+        cand = shared["cand"]
+        mask = torch.ones(plan.visible.shape, dtype=torch.bool, device=plan.visible.device)
+        for b, rows, total in plan.owned.values():
+            if b in cand:
+                mask[rows, :total] = cand[b]
+        return mask
+
+    def _candidates(self, scores: torch.Tensor, newest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Level one of the two-level top-k: blocks of `candidate_block_size` entries scored by
         their max; the block holding the newest visible entry is always kept; keep the top
-        `candidate_topk_blocks` blocks that hold any visible entry. -> entry mask [n, T]."""
+        `candidate_topk_blocks` blocks that hold any visible entry. Padding entries are -inf,
+        so padding blocks sort after every real block and are never kept. -> (entry mask
+        [n, T], kept blocks [n, min(candidate_topk_blocks, blocks)] in pick order, -1 = none)."""
         cbs, n_keep = self.cfg.candidate_block_size, self.cfg.candidate_topk_blocks
         width = scores.shape[-1]
         padded = F.pad(scores, (0, -width % cbs), value=float("-inf"))
         block_scores = padded.unflatten(-1, (-1, cbs)).amax(-1)
         n_blocks = block_scores.shape[-1]
-        newest = (visible - 1) // cbs
-        block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
+        block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest.unsqueeze(1), float("inf"))
         top = topk_lowest_index_on_ties(block_scores, min(n_keep, n_blocks))
-        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-        if trace is not None:
-            picks = torch.where(top.values > float("-inf"), top.indices, -1)
-            trace.setdefault(f"L{self.role.index}.candidate_blocks", []).append(picks)
-        return keep.repeat_interleave(cbs, dim=-1)[:, :width]
+        kept = top.values > float("-inf")
+        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, kept)
+        return keep.repeat_interleave(cbs, dim=-1)[:, :width], torch.where(kept, top.indices, -1)
 
     # ------------------------------------------------------------------ attention proper
     def __call__(self, x: torch.Tensor, segs: Segments, batch: ForwardBatch, cache: KVCacheStorage, shared: dict) -> torch.Tensor:
