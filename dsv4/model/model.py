@@ -103,13 +103,12 @@ class Model:
                 with record_function("dsv4.compressor"):
                     block.attn.compress(h, rows.segs, batch, cache)
             if role.index == cfg.ced_split:
-                keep = self._decoder_rows(batch, rows)
+                keep = self._decoder_rows(batch, rows, shared)
                 streams, residual, a_pre, a_post, a_comb, h, ids = (
                     t[keep] for t in (streams, residual, a_pre, a_post, a_comb, h, ids)
                 )
                 if hashes is not None:
                     hashes = hashes[keep]
-                self._trim_shared(shared, rows)
             with record_function("dsv4.attention"):
                 y = block.attn(h, rows.segs, batch, cache, shared)
             with record_function("dsv4.mhc"):
@@ -138,10 +137,11 @@ class Model:
         return linear(hidden, self.head.to(hidden.dtype)).float()
 
     # ------------------------------------------------------------------------ CED split
-    def _decoder_rows(self, batch: ForwardBatch, rows: _Rows) -> torch.Tensor:
+    def _decoder_rows(self, batch: ForwardBatch, rows: _Rows, shared: dict) -> torch.Tensor:
         """Switch `rows` to the rows the decoder runs on and return their indices in the
         current rows. Exact mode keeps every row; bounded replay keeps each request's last
-        `decoder_tokens[b]` rows, whose window starts at their first position."""
+        `decoder_tokens[b]` rows, whose window starts at their first position. Per-request
+        selections published before the split cover every row: they keep the same tail."""
         segs = rows.segs
         counts = list(segs.counts) if batch.decoder_tokens is None else [min(k, n) for k, n in zip(batch.decoder_tokens, segs.counts)]
         keep = torch.cat([
@@ -150,18 +150,13 @@ class Model:
         ])
         starts = [s + n - k for s, n, k in zip(segs.starts, segs.counts, counts)]
         floors = [batch.decoder_window_floor[b] for b in segs.requests]
-        self._keep_counts = (segs.counts, counts)
+        for key in ("topk", "cand"):
+            for i, b in enumerate(segs.requests):
+                if b in shared.get(key, {}):
+                    shared[key][b] = shared[key][b][segs.counts[i] - counts[i] :]
         rows.segs = Segments(segs.requests, starts, counts, floors, segs.positions[keep])
         rows.row_ids = rows.row_ids[keep]
         return keep
-
-    def _trim_shared(self, shared: dict, rows: _Rows) -> None:
-        """Per-request selections published before the split cover every row: keep the tail."""
-        old_counts, counts = self._keep_counts
-        for key in ("topk", "cand"):
-            for i, b in enumerate(rows.segs.requests):
-                if b in shared.get(key, {}):
-                    shared[key][b] = shared[key][b][old_counts[i] - counts[i] :]
 
     @staticmethod
     def _select(wanted: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
