@@ -546,7 +546,12 @@ class Attention:
             at_sink = torch.arange(allp.shape[-1], device=allp.device) == (kw + ragged.width).unsqueeze(1)
             allp = torch.where(at_sink.unsqueeze(1), sink, allp)
         allp = allp - allp.amax(-1, keepdim=True)
-        probs = torch.softmax(allp, dim=-1)[..., :-1].to(q.dtype)
+        # The CPU softmax reduces short rows on a scalar path and long ones on SIMD lanes, so
+        # trailing -inf padding (a row's width in a wider batch) could change its sum's
+        # rounding; padding every row to a multiple of 64 columns keeps it on the same lanes.
+        cols = allp.shape[-1]
+        padded = F.pad(allp, (0, -cols % 64), value=float("-inf"))
+        probs = torch.softmax(padded, dim=-1)[..., : cols - 1].to(q.dtype)
         out = torch.einsum("nhw,nwd->nhd", probs[..., :kw], keys)
         if comp is None:
             return out
