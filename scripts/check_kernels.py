@@ -5,10 +5,16 @@ For every kernel and size: the result against its torch reference, the median ti
 kernel and of the torch path (CUDA events, L2 flushed before each call), achieved TB/s and
 TFLOP/s, and the fraction of the H200 floor reached (max(bytes / 4.2 TB/s, FLOPs / peak), peak
 FP8 1365 or BF16 758 TFLOP/s; DESIGN.md "Performance model"). Also checks that a row's bits do
-not depend on its batch (batch invariance) and times a few attention tilings.
+not depend on its batch (batch invariance).
 
     python scripts/check_kernels.py [--sections a,b] [--budget 480]
     python scripts/check_kernels.py --compile-only   # any machine: sm_90 compile, registers, spills
+
+Section gemm_sweep times candidate tilings of the decode-regime FP8 GEMM and MoE kernels
+(replayed from CUDA graphs) and prints the best per shape and the knob settings they suggest.
+Section attention_sweep (about 60 s: `--sections attention_sweep --budget 120`) times candidate
+sparse-attention tilings at decode T = 1, 8, 64, 256 and a 4096-token prefill chunk and prints
+each size's fastest correct one ("BEST") with its fraction of the floor.
 
 Each section runs in its own process (a kernel that faults cannot take the others down) under
 a share of the time budget; a failing case is reported and the rest go on. Prints a table and
@@ -55,7 +61,12 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "moe": 0.2,
     "attention": 0.15,
     "invariance": 0.15,
-    "attention_configs": 0.15,
+    "attention_sweep": 0.15,
+    "indexer": 0.15,
+    "kv_store": 0.08,
+    "engram": 0.1,
+    "mhc": 0.15,
+    "gemm_sweep": 0.25,
 }
 
 RECORDS: list[dict] = []
@@ -77,8 +88,9 @@ def guarded(kernel: str, case: str, fn, *args) -> None:
         fn(*args)
     except Exception as exc:  # noqa: BLE001 - any failure is reported, the others still run
         record(kernel, case, "error", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:])
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():  # --compile-only runs on machines without one
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------ timing
@@ -178,6 +190,9 @@ def fp8_linear_case(name: str, m: int, w: torch.Tensor, s: torch.Tensor, wd: tor
     err = rel_err(fp8_gemm.fp8_linear_w8a16(x, w, s, block), exact)
     t = median_time(lambda: fp8_gemm.fp8_linear_w8a16(x, w, s, block))
     record("fp8_linear", case, "w8a16", ok=err <= 2**-8 * 1.1, err=err, **perf(t, w_bytes + io, flops, "bf16"))
+    # as decode runs it: from a CUDA graph (no host launch time), weights streamed from HBM
+    t = graph_time([lambda wi=wi, si=si: fp8_gemm.fp8_linear_w8a16(x, wi, si, block) for wi, si in rotated(w, s)])
+    record("fp8_linear", case, "w8a16_graph", **perf(t, w_bytes + io, flops, "bf16"))
     if m >= 64:
         y8 = fp8_gemm.fp8_linear_w8a8(x, w, s, block)
         xq = quant.dequantize_fp8_ue8m0(*quant.quantize_fp8_ue8m0(x, block), torch.float64, block)
@@ -189,6 +204,8 @@ def fp8_linear_case(name: str, m: int, w: torch.Tensor, s: torch.Tensor, wd: tor
         )
     t = median_time(lambda: F.linear(x, wb))
     record("fp8_linear", case, "torch_bf16", err=rel_err(F.linear(x, wb), exact), **perf(t, 2 * n * k + io, flops, "bf16"))
+    t = graph_time([lambda wi=wi: F.linear(x, wi) for wi, _ in rotated(wb, s)])
+    record("fp8_linear", case, "torch_bf16_graph", **perf(t, 2 * n * k + io, flops, "bf16"))
 
 
 def section_fp8_linear() -> None:
@@ -259,6 +276,9 @@ def moe_case(t: int, data: tuple, dense: tuple) -> None:
     err = norm_err(moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True), ref)
     t_k = median_time(lambda: moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True), reps=10)
     record("moe_experts", case, "triton", ok=err <= 4 * 2**-8, err=err, experts_used=used, **perf(t_k, w_bytes + io, flops, "bf16"))
+    if t <= max(SWEEP_TOKENS):  # as decode runs it: from a CUDA graph, each call with its own routing
+        calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in moe_routings(t, e, seed=t)]
+        record("moe_experts", case, "triton_graph", experts_used=used, **perf(graph_time(calls, reps=5), w_bytes + io, flops, "bf16"))
     t_r = median_time(lambda: moe_ref.experts_forward(xt, wt, it, w1, w2l, w3, 10.0, True), reps=5, warmup=1)
     record("moe_experts", case, "torch_bf16", experts_used=used, **perf(t_r, 2 * w_bytes + io, flops, "bf16"))
 
@@ -268,6 +288,382 @@ def section_moe() -> None:
     dense = dense_experts(*data[3:])
     for t in ROWS:
         guarded("moe_experts", f"T={t}", moe_case, t, data, dense)
+
+
+# ------------------------------------------------------------------------------ GEMM sweep
+#
+# Candidate tilings of the decode-regime kernels — fp8_linear_w8a16 on PROJECTIONS at
+# SWEEP_ROWS rows, moe_experts at SWEEP_TOKENS tokens with SWEEP_EXPERTS experts (top-6) — each
+# checked against its reference and timed as decode will run it: replayed from a CUDA graph (no
+# host launch overhead), rotating over weight copies (MoE: routings) that together exceed the
+# 60 MB L2, so that every call streams its weights from HBM. Prints per shape the default and
+# the best candidate with their fraction of the floor, then the knob settings the results
+# suggest (fp8_gemm.W8A16, moe.MOE). Compilation runs first, spread over SWEEP_WORKERS
+# processes that warm Triton's disk cache.
+
+SWEEP_ROWS = (1, 32, 64, 256)  # one per row class (M = 1 stands for the 16-row class, 8 times as M = 1)
+SWEEP_TOKENS = (1, 8, 64, 256)
+SWEEP_EXPERTS = (384, 64)
+SWEEP_WORKERS = 8
+SWEEP_ROUTINGS = 4  # MoE calls per graph, each with its own routing
+ROTATE_BYTES = 192 << 20  # weight bytes the calls of one graph cycle through (> 3x the L2)
+# w8a16 candidates per row tile BLOCK_T: (BLOCK_N, BLOCK_K, GROUP_T, num_warps, num_stages).
+# Every tile is a whole-warp-group wgmma (fp8_gemm.wgmma_tile_error), so all candidates with
+# the same chunking must give the same bits across row tiles too (the first run's T32 / T64
+# mismatch). At decode the weight stream is the work: more weight rows or warps per program
+# (BLOCK_N 256, 8 warps) and deeper pipelines put more bytes in flight per SM; 64-row tiles
+# give small weights more programs.
+W8A16_TILES = {
+    16: [(128, 128, 1, 4, 3), (128, 128, 1, 4, 4), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (128, 128, 1, 8, 3), (256, 128, 1, 8, 3), (256, 64, 1, 8, 4)],
+    32: [(128, 128, 1, 4, 3), (128, 128, 2, 4, 3), (64, 128, 1, 4, 4)],  # GROUP_T 2: both row tiles of M=64 share the weight tile in L2
+    64: [(128, 128, 1, 4, 3), (128, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 128, 1, 8, 3), (256, 64, 1, 8, 3)],
+    128: [(128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3)],
+    256: [(128, 64, 8, 8, 2)],
+}
+SWEEP_ROW_TILES = {1: (16,), 32: (32,), 64: (64, 32), 256: (128, 64, 256)}  # rows -> row tiles tried
+# MoE candidates per row tile: ((BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up, of down),
+# whole-warp-group wgmma tiles too
+MOE_TILES = {
+    16: [((64, 128, 4, 4), (128, 128, 4, 4)), ((64, 128, 4, 3), (128, 128, 4, 3)), ((64, 64, 4, 6), (128, 64, 4, 6)),
+         ((128, 128, 8, 3), (256, 128, 8, 3)), ((64, 128, 4, 4), (64, 128, 4, 4))],
+    32: [((64, 128, 4, 4), (128, 128, 4, 4)), ((64, 128, 4, 3), (128, 128, 4, 3)), ((128, 128, 8, 3), (128, 128, 8, 3))],
+    64: [((64, 128, 4, 3), (128, 128, 4, 3)), ((128, 64, 8, 4), (128, 64, 8, 4)), ((64, 64, 4, 4), (64, 128, 4, 3))],
+    128: [((64, 64, 4, 3), (128, 64, 8, 3))],
+}
+SWEEP_RESULTS: list[dict] = []  # every candidate's outcome, for the suggested knobs
+
+
+def graph_time(calls: list, reps: int = 10) -> float:
+    """Median seconds per call of `calls`, run in turn, replayed from one CUDA graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del graph
+    return statistics.median(times) / len(calls)
+
+
+def rotated(w: torch.Tensor, s: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of a weight whose bytes together reach ROTATE_BYTES (at least 2, at most 128)."""
+    copies = min(128, max(2, -(-ROTATE_BYTES // (w.numel() + s.numel()))))
+    return [(w, s)] + [(w.clone(), s.clone()) for _ in range(copies - 1)]
+
+
+def tile_label(tile: dict) -> str:
+    return f"T{tile['BLOCK_T']} N{tile['BLOCK_N']} K{tile['BLOCK_K']} g{tile['GROUP_T']} w{tile['num_warps']} s{tile['num_stages']}"
+
+
+def w8a16_candidates(m: int, n: int, k: int, block: int) -> list[dict]:
+    """The default knobs first, then other tiles (default chunks), other chunk counts (default
+    tile) and, at one row (their bits do not depend on M), the unsplit policy and the fp32
+    dequantisation, which must give the default's bits."""
+    from dsv4.ops.triton import fp8_gemm
+
+    default = dict(fp8_gemm.w8a16_config(m))
+    cands = [{"tile": default}]
+    for bt in SWEEP_ROW_TILES[m]:
+        for bn, bk, group, warps, stages in W8A16_TILES[bt]:
+            tile = {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_T": group, "num_warps": warps, "num_stages": stages}
+            if tile != default:
+                cands.append({"tile": tile})
+    chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, torch.device("cuda")))
+    if m <= 64:
+        for alt in sorted({max(1, chunks // 2), chunks * 2, chunks * 4} - {chunks}):
+            if k // alt >= fp8_gemm.CHUNK_ALIGN:
+                cands.append({"tile": default, "chunks": alt})
+    if m == 1:
+        if chunks > 1:
+            cands.append({"tile": default, "split": 0.0})
+        cands.append({"tile": default, "convert": "fp32"})
+    return cands
+
+
+class w8a16_knobs:
+    """Applies a candidate to fp8_gemm's knobs (its chunks pinned, since the default chunk count
+    follows the first row class's BLOCK_N) and restores them."""
+
+    def __init__(self, cand: dict, n: int, k: int, block: int):
+        self.cand, self.key = cand, (n, k, block)
+
+    def __enter__(self):
+        from dsv4.ops.triton import fp8_gemm
+
+        self.saved = (fp8_gemm.W8A16["rows"], fp8_gemm.W8A16["CHUNKS"], fp8_gemm.W8A16["SPLIT_TILES_PER_SM"], fp8_gemm.FP8_CONVERT)
+        n, k, block = self.key
+        chunks = self.cand.get("chunks") or -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, torch.device("cuda")))
+        fp8_gemm.W8A16["CHUNKS"] = {**self.saved[1], self.key: chunks}
+        fp8_gemm.W8A16["rows"] = ((None, self.cand["tile"]),)
+        fp8_gemm.W8A16["SPLIT_TILES_PER_SM"] = self.cand.get("split", self.saved[2])
+        fp8_gemm.FP8_CONVERT = self.cand.get("convert", self.saved[3])
+        self.chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, torch.device("cuda")))
+        return self
+
+    def __exit__(self, *exc):
+        from dsv4.ops.triton import fp8_gemm
+
+        fp8_gemm.W8A16["rows"], fp8_gemm.W8A16["CHUNKS"], fp8_gemm.W8A16["SPLIT_TILES_PER_SM"], fp8_gemm.FP8_CONVERT = self.saved
+
+
+def cand_label(cand: dict, chunks: int) -> str:
+    extra = {"split": " unsplit", "convert": " fp32-dequant"}
+    return tile_label(cand["tile"]) + f" c{chunks}" + "".join(v for key, v in extra.items() if key in cand)
+
+
+def sweep_w8a16_shape(name: str, n: int, k: int, block: int) -> None:
+    """Every candidate at every SWEEP_ROWS for one projection; records default and best."""
+    from dsv4.model import quant
+    from dsv4.ops.triton import fp8_gemm
+
+    w, s = fp8_weight(n, k, block, seed=n + k)
+    wd = quant.dequant_fp8_block(w, s, block).double()
+    copies = rotated(w, s)
+    for m in SWEEP_ROWS:
+        case = f"w8a16 {name} M={m} N={n} K={k} b={block}"
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        exact = x.double() @ wd.T
+        nbytes, flops = n * k + s.numel() + m * k * 2 + m * n * 2, 2 * m * n * k
+        first: dict[int, torch.Tensor] = {}  # chunk count -> the first candidate's output
+        rows = []
+        for cand in w8a16_candidates(m, n, k, block):
+            try:
+                with w8a16_knobs(cand, n, k, block) as knobs:
+                    y = fp8_gemm.fp8_linear_w8a16(x, w, s, block)
+                    err = rel_err(y, exact)
+                    same = torch.equal(y, first.setdefault(knobs.chunks, y))
+                    t = graph_time([lambda wi=wi, si=si: fp8_gemm.fp8_linear_w8a16(x, wi, si, block) for wi, si in copies])
+                    rows.append(dict(label=cand_label(cand, knobs.chunks), chunks=knobs.chunks, err=err, same_bits=same, ok=err <= 2**-8 * 1.1, **perf(t, nbytes, flops, "bf16")))
+                    SWEEP_RESULTS.append(dict(kind="w8a16", shape=(n, k, block), m=m, cand=cand, **rows[-1]))
+            except Exception as exc:  # noqa: BLE001 - one failing candidate does not stop the sweep
+                rows.append(dict(label=cand_label(cand, 0), error=f"{type(exc).__name__}: {exc}"[:300], ok=False))
+        report_sweep(case, rows)
+    torch.cuda.empty_cache()
+
+
+def report_sweep(case: str, rows: list[dict]) -> None:
+    """One record per shape: the fastest correct candidate, with the default's (first) time and
+    fraction in its name (one short line each, so that the whole table fits the tail of the
+    output); every candidate is in the record's `candidates`. `ok` also requires that the
+    candidates with the same chunking gave the same bits."""
+    timed = [r for r in rows if "ms" in r]
+    slim = [{k: r.get(k) for k in ("label", "ms", "of_floor", "err", "same_bits", "error")} for r in rows]
+    if not timed:
+        record("gemm_sweep", case, "error", error="no candidate ran", trace=json.dumps(slim)[-2000:])
+        return
+    same = all(r["same_bits"] for r in timed)
+    best = min([r for r in timed if r["ok"]] or timed, key=lambda r: r["ms"])
+    default = f"default {rows[0]['of_floor']:.0%} {rows[0]['ms']:.4f} ms" if "ms" in rows[0] else "default failed"
+    keep = ("ms", "tb_s", "tflop_s", "floor_ms", "of_floor", "bytes", "flops", "peak", "err")
+    record("gemm_sweep", case, f"best {best['label']} ({default})", ok=best["ok"] and same and "ms" in rows[0], same_bits=same, candidates=slim, **{k: best[k] for k in keep})
+
+
+def moe_routings(t: int, experts: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from dsv4.ops import moe as moe_ref
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(SWEEP_ROUTINGS):
+        scores = moe_ref.sqrtsoftplus(torch.randn(t, experts, device="cuda", generator=g))
+        weights, ids = moe_ref.route(scores, torch.zeros(experts, device="cuda"), 6, None, 1.5, True)
+        out.append((ids, weights.float()))
+    return out
+
+
+class LazyExperts:
+    """`experts_forward`'s per-expert Linears, dequantised to bf16 (exactly) when used."""
+
+    def __init__(self, w: torch.Tensor, s: torch.Tensor, rows: slice):
+        self.w, self.s, self.rows = w, s, rows
+
+    def __len__(self) -> int:
+        return self.w.shape[0]
+
+    def __getitem__(self, e: int):
+        from dsv4.ops.linear import Linear
+
+        w, s = self.w[e, self.rows], self.s[e, self.rows]
+        return Linear((w.float() * torch.exp2(s.float() - 127).repeat_interleave(32, -1)).bfloat16())
+
+
+def moe_candidates(pairs: int, experts: int) -> list[dict]:
+    """The default knobs first, the other tiles of its row tile, and the neighbouring row
+    tiles' first tiles."""
+    from dsv4.ops.triton import moe
+
+    def make(bt, gu, dn):
+        return {"BLOCK_T": bt, "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), gu)), "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), dn))}
+
+    default = moe.moe_config(pairs, experts)
+    bt = default["BLOCK_T"]
+    cands = [default] + [make(bt, gu, dn) for gu, dn in MOE_TILES.get(bt, []) if make(bt, gu, dn) != default]
+    cands += [make(b, *MOE_TILES[b][0]) for b in (bt // 2, bt * 2) if b in MOE_TILES]
+    return cands
+
+
+def moe_label(cfg: dict) -> str:
+    gu, dn = cfg["gate_up"], cfg["down"]
+    return f"T{cfg['BLOCK_T']} gu N{gu['BLOCK_N']} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
+
+
+def sweep_moe_experts(experts: int, data: tuple) -> None:
+    """Every candidate at every SWEEP_TOKENS for one expert count (the first `experts` of the
+    384 generated)."""
+    from dsv4.ops import moe as moe_ref
+    from dsv4.ops.triton import moe
+
+    x, w13, s13, w2, s2 = data
+    w13, s13, w2, s2 = w13[:experts], s13[:experts], w2[:experts], s2[:experts]
+    inter, d = w2.shape[2], w2.shape[1]
+    dense = (LazyExperts(w13, s13, slice(0, inter)), LazyExperts(w2, s2, slice(None)), LazyExperts(w13, s13, slice(inter, 2 * inter)))
+    for t in SWEEP_TOKENS:
+        case = f"moe E={experts} T={t} D={d} I={inter} k=6"
+        routings = moe_routings(t, experts, seed=t + experts)
+        xt = x[:t]
+        used = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routings)
+        nbytes = used * 3 * inter * d * (1 + 1 / 32) + t * d * 6 + t * 6 * 12
+        flops = 2 * t * 6 * 3 * inter * d
+        ids0, wts0 = routings[0]
+        probe = min(t, 4)  # rows checked against the reference (each row's result is independent)
+        ref = moe_ref.experts_forward(xt[:probe], wts0[:probe], ids0[:probe], dense[0], dense[1], dense[2], 10.0, True).float()
+        first = None
+        rows = []
+        saved = moe.MOE["rows"]
+        for cfg in moe_candidates(t * 6, experts):
+            try:
+                moe.MOE["rows"] = ((None, cfg),)
+                y = moe.moe_experts(xt, ids0, wts0, w13, s13, w2, s2, 10.0, True)
+                err = norm_err(y[:probe], ref)
+                first = y if first is None else first
+                calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in routings]
+                rows.append(dict(label=moe_label(cfg), err=err, same_bits=torch.equal(y, first), ok=err <= 4 * 2**-8, **perf(graph_time(calls, reps=5), nbytes, flops, "bf16")))
+                SWEEP_RESULTS.append(dict(kind="moe", shape=experts, m=t, cand=cfg, **rows[-1]))
+            except Exception as exc:  # noqa: BLE001 - one failing candidate does not stop the sweep
+                rows.append(dict(label=moe_label(cfg), error=f"{type(exc).__name__}: {exc}"[:300], ok=False))
+            finally:
+                moe.MOE["rows"] = saved
+        report_sweep(case, rows)
+
+
+def suggested_knobs() -> str:
+    """Per row class the tile with the best geometric mean fraction of the floor over the
+    shapes it was tried on (all correct); per projection the chunk count with the best mean
+    over M <= 64 where it beats the default by more than 3%."""
+    from dsv4.ops.triton import fp8_gemm, moe
+
+    def best_tiles(results: list[dict], cls) -> dict:
+        by_class: dict = {}
+        for r in results:
+            by_class.setdefault(cls(r), {}).setdefault(json.dumps(r["cand"], sort_keys=True), []).append(r)
+        out = {}
+        for c, cands in by_class.items():
+            complete = {key: rs for key, rs in cands.items() if all(r["ok"] for r in rs) and len(rs) == max(len(v) for v in cands.values())}
+            if complete:
+                key = max(complete, key=lambda key: statistics.geometric_mean(max(r["of_floor"], 1e-9) for r in complete[key]))
+                out[c] = (json.loads(key), statistics.geometric_mean(r["of_floor"] for r in complete[key]))
+        return out
+
+    tiles = [r for r in SWEEP_RESULTS if r["kind"] == "w8a16" and set(r["cand"]) == {"tile"}]
+    parts = []
+    for c, (cand, frac) in sorted(best_tiles(tiles, lambda r: fp8_gemm.w8a16_config(r["m"])["BLOCK_T"]).items()):
+        parts.append(f"W8A16 rows(T{c}) {tile_label(cand['tile'])} ({frac:.0%})")
+    chunks = {}
+    for r in SWEEP_RESULTS:
+        if r["kind"] == "w8a16" and r["m"] <= 64 and set(r["cand"]) <= {"tile", "chunks"} and r["ok"] and r["cand"]["tile"] == fp8_gemm.w8a16_config(r["m"]):
+            chunks.setdefault(r["shape"], {}).setdefault(r["chunks"], []).append(r["of_floor"])
+    for shape, by_count in chunks.items():
+        n, k, block = shape
+        default = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, torch.device("cuda")))
+        full = {c: statistics.mean(v) for c, v in by_count.items() if len(v) == len(by_count.get(default, []))}
+        if default in full and max(full.values()) > 1.03 * full[default]:
+            best = max(full, key=full.get)
+            parts.append(f"W8A16 CHUNKS[{shape}]={best} ({full[default]:.0%}->{full[best]:.0%})")
+    moes = [r for r in SWEEP_RESULTS if r["kind"] == "moe"]
+    for c, (cand, frac) in sorted(best_tiles(moes, lambda r: moe.moe_config(r["m"] * 6, r["shape"])["BLOCK_T"]).items()):
+        parts.append(f"MOE rows(T{c} class) {moe_label(cand)} ({frac:.0%})")
+    return "; ".join(parts)
+
+
+def sweep_jobs() -> list[tuple]:
+    """Every (kind, shape, size, candidate) the sweep launches, for the compile warm-up."""
+    jobs = []
+    for name, n, k, block in PROJECTIONS:
+        for m in SWEEP_ROWS:
+            jobs += [("w8a16", n, k, block, m, cand) for cand in w8a16_candidates(m, n, k, block)]
+    for experts in SWEEP_EXPERTS:
+        for t in SWEEP_TOKENS:
+            jobs += [("moe", experts, t, cfg) for cfg in moe_candidates(t * 6, experts)]
+    return jobs
+
+
+def sweep_warm(index: int, count: int) -> None:
+    """Worker process: compile (by running once, on zero data) its share of the sweep's
+    launches; the main process then finds them in Triton's disk cache. The MoE GEMMs compile
+    the same for any expert count, so 64 experts stand in for 384 (the layout kernel, whose
+    tile depends on the count, is warmed at the real count)."""
+    from dsv4.ops.triton import fp8_gemm, moe
+
+    weights: dict = {}
+    experts = None
+    for job in sweep_jobs()[index::count]:
+        try:
+            if job[0] == "w8a16":
+                _, n, k, block, m, cand = job
+                if (n, k, block) not in weights:
+                    weights[(n, k, block)] = fp8_weight(n, k, block, seed=0)
+                w, s = weights[(n, k, block)]
+                with w8a16_knobs(cand, n, k, block):
+                    fp8_gemm.fp8_linear_w8a16(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16), w, s, block)
+            else:
+                _, e, t, cfg = job
+                if experts is None:
+                    experts = (torch.zeros(64, 2 * 2304, 5120, dtype=torch.float8_e4m3fn, device="cuda"), torch.full((64, 2 * 2304, 160), 120, dtype=torch.uint8, device="cuda"),
+                               torch.zeros(64, 5120, 2304, dtype=torch.float8_e4m3fn, device="cuda"), torch.full((64, 5120, 72), 120, dtype=torch.uint8, device="cuda"))
+                saved = moe.MOE["rows"]
+                moe.MOE["rows"] = ((None, cfg),)
+                try:
+                    ids = torch.randint(0, 64, (t, 6), device="cuda")
+                    moe.moe_experts(torch.zeros(t, 5120, device="cuda", dtype=torch.bfloat16), ids, torch.ones(t, 6, device="cuda"), *experts, 10.0, True)
+                    moe.align_by_expert(torch.randint(0, e, (t * 6,), device="cuda"), e, cfg["BLOCK_T"])
+                finally:
+                    moe.MOE["rows"] = saved
+        except Exception:  # noqa: BLE001 - the main process meets and reports the same failure
+            traceback.print_exc()
+    torch.cuda.synchronize()
+
+
+def section_gemm_sweep() -> None:
+    start = time.time()
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); import check_kernels as ck; ck.sweep_warm(int(sys.argv[1]), {SWEEP_WORKERS})"
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(SWEEP_WORKERS)]
+    failed = []
+    for i, proc in enumerate(workers):
+        try:
+            err = proc.communicate(timeout=max(10.0, 240 - (time.time() - start)))[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = proc.communicate()[1] + "\n(timed out)"
+        if proc.returncode:
+            failed.append(f"worker {i}: exit {proc.returncode}: {err[-600:]}")
+    record("gemm_sweep", "compile warm-up", f"{SWEEP_WORKERS} workers, {time.time() - start:.0f} s, {len(failed)} failed", failed=failed)
+    for name, n, k, block in PROJECTIONS:
+        guarded("gemm_sweep", f"w8a16 {name}", sweep_w8a16_shape, name, n, k, block)
+    x, _, _, w13, s13, w2, s2 = moe_data(max(SWEEP_TOKENS))
+    for experts in SWEEP_EXPERTS:
+        guarded("gemm_sweep", f"moe E={experts}", sweep_moe_experts, experts, (x, w13, s13, w2, s2))
+    record("gemm_sweep", "suggested knobs", suggested_knobs() or "none (no complete results)")
+
 
 
 # ------------------------------------------------------------------------------ attention
@@ -333,6 +729,7 @@ def attention_cost(args: dict, decode: bool) -> tuple[float, float]:
 
 
 def attention_case(t: int) -> None:
+    from dsv4.ops import attention as attention_ops
     from dsv4.ops.triton import attention
 
     decode = t <= 256
@@ -340,11 +737,11 @@ def attention_case(t: int) -> None:
     _, h, dim = args["q"].shape
     case = f"T={t} {'decode' if decode else 'prefill chunk'} H={h} D={dim} W={args['ring_codes'].shape[1]} k={args['topk'].shape[1]}"
     nbytes, flops = attention_cost(args, decode)
-    ref = attention.sparse_attention_reference(**args)
+    ref = attention_ops.sparse_attention_reference(**args)
     err = norm_err(attention.sparse_attention(**args), ref)
     t_k = median_time(lambda: attention.sparse_attention(**args), reps=10)
     record("sparse_attention", case, "triton", ok=err <= 4 * 2**-8, err=err, **perf(t_k, nbytes, flops, "bf16"))
-    t_r = median_time(lambda: attention.sparse_attention_reference(**args), reps=3, warmup=1)
+    t_r = median_time(lambda: attention_ops.sparse_attention_reference(**args), reps=3, warmup=1)
     record("sparse_attention", case, "torch_gather", **perf(t_r, nbytes, flops, "bf16"))
 
 
@@ -353,55 +750,786 @@ def section_attention() -> None:
         guarded("sparse_attention", f"T={t}", attention_case, t)
 
 
-ATTN_CONFIGS = [  # the default first; SPLIT "always" / "never" are the batch-invariant policies
-    {"BLOCK_H": 16, "BLOCK_N": 16, "CHUNK_TILES": 8, "SPLIT": "auto", "num_warps": 8, "num_stages": 2},
-    {"BLOCK_H": 16, "BLOCK_N": 16, "CHUNK_TILES": 8, "SPLIT": "always", "num_warps": 8, "num_stages": 2},
-    {"BLOCK_H": 16, "BLOCK_N": 16, "CHUNK_TILES": 20, "SPLIT": "always", "num_warps": 8, "num_stages": 2},
-    {"BLOCK_H": 16, "BLOCK_N": 16, "CHUNK_TILES": 8, "SPLIT": "never", "num_warps": 8, "num_stages": 2},
-    {"BLOCK_H": 16, "BLOCK_N": 16, "CHUNK_TILES": 8, "SPLIT": "auto", "num_warps": 8, "num_stages": 1},
-    {"BLOCK_H": 16, "BLOCK_N": 16, "CHUNK_TILES": 8, "SPLIT": "auto", "num_warps": 4, "num_stages": 2},
-    {"BLOCK_H": 32, "BLOCK_N": 16, "CHUNK_TILES": 8, "SPLIT": "auto", "num_warps": 8, "num_stages": 2},
-    {"BLOCK_H": 64, "BLOCK_N": 16, "CHUNK_TILES": 8, "SPLIT": "auto", "num_warps": 8, "num_stages": 1},
+# attention_sweep candidates: overrides of attention.CONFIG, the default ({}) first. DSPLIT and
+# TILES_PER_PROGRAM only spread the work (same bits); the others change the tiling (rounding).
+ATTN_SWEEP = [
+    {},
+    {"DSPLIT": 1},
+    {"DSPLIT": 2},
+    {"DSPLIT": 4},
+    {"DSPLIT": 8},
+    {"TILES_PER_PROGRAM": 1},
+    {"PIECE": 16},
+    {"PIECE": 64},
+    {"LOGIT_BLOCK_N": 64, "logit_warps": 4},
+    {"PV_BLOCK_N": 16},
+    {"pv_warps": 4, "DSPLIT": 8},
+]
+ATTN_SWEEP_ROWS = (1, 8, 64, 256, 4096)
+ATTN_SWEEP_SECONDS = 75.0  # candidates left when this runs out are skipped (and reported)
+
+
+def attention_logit_variants() -> list[dict]:
+    """The logits-kernel knobs of the sweep's candidates (distinct compilations)."""
+    keys = ("BLOCK_H", "LOGIT_BLOCK_N", "PIECE", "logit_warps", "logit_stages")
+    return _distinct([{k: c[k] for k in keys if k in c} for c in ATTN_SWEEP])
+
+
+def attention_pv_variants() -> list[dict]:
+    """The PV-kernel knobs of the sweep's candidates, with the DSPLIT of every sweep size
+    where a candidate leaves it to "auto"."""
+    from dsv4.ops.triton import attention
+
+    keys = ("BLOCK_H", "PV_BLOCK_N", "pv_warps", "pv_stages")
+    out = []
+    for c in ATTN_SWEEP:
+        cfg = {**attention.CONFIG, **c}
+        splits = {attention.launch_plan(t, 64, 512, 128, 512, torch.device("cuda"), cfg)["DSPLIT"] for t in ATTN_SWEEP_ROWS} if torch.cuda.is_available() else None
+        if splits is None:  # compile-only machine: every split "auto" can take
+            splits = set(attention.DSPLITS) if cfg["DSPLIT"] == "auto" else {cfg["DSPLIT"]}
+        out.extend({**{k: c[k] for k in keys if k in c}, "DSPLIT": d} for d in sorted(splits))
+    return _distinct(out)
+
+
+def _distinct(cfgs: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for c in cfgs:
+        key = tuple(sorted(c.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def attention_label(cfg: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.items()) or "default"
+
+
+def attention_sweep_shape(t: int, deadline: float) -> None:
+    """Every candidate at one size: error against the reference, bits against the default's
+    result, median time; then one record with the fastest correct candidate."""
+    from dsv4.ops import attention as attention_ops
+    from dsv4.ops.triton import attention
+
+    decode = t <= 256
+    args = attention_data(t, decode)
+    nbytes, flops = attention_cost(args, decode)
+    ref = attention_ops.sparse_attention_reference(**args)
+    base, rows = None, []
+    for cand in ATTN_SWEEP:
+        label = attention_label(cand)
+        if time.time() > deadline:
+            record("attention_sweep", f"T={t} {label}", "skipped", reason=f"sweep past {ATTN_SWEEP_SECONDS:.0f} s")
+            continue
+        plan = attention.launch_plan(t, 64, 512, 128, 512, args["q"].device, {**attention.CONFIG, **cand})
+        y = attention.sparse_attention(**args, config=cand)
+        base = y if base is None else base
+        err = norm_err(y, ref)
+        t_k = median_time(lambda: attention.sparse_attention(**args, config=cand), reps=10)
+        row = dict(ok=err <= 4 * 2**-8, err=err, same_bits=torch.equal(y, base), plan=plan, **perf(t_k, nbytes, flops, "bf16"))
+        record("attention_sweep", f"T={t} {label}", "triton", **row)
+        rows.append((label, row))
+    good = [r for r in rows if r[1]["ok"]]
+    if good:
+        label, row = min(good, key=lambda r: r[1]["ms"])
+        default_ms = rows[0][1]["ms"] if rows and rows[0][0] == "default" else float("nan")
+        record("attention_sweep", f"T={t} BEST {label}", "best", default_ms=default_ms, **{k: v for k, v in row.items() if k != "ok"})
+
+
+def section_attention_sweep() -> None:
+    """Candidate tilings of sparse_attention at decode T = 1, 8, 64, 256 (T requests of one
+    token at 64K context) and a 4096-token prefill chunk, real shapes; the best per size."""
+    deadline = time.time() + ATTN_SWEEP_SECONDS
+    for t in ATTN_SWEEP_ROWS:
+        guarded("attention_sweep", f"T={t}", attention_sweep_shape, t, deadline)
+
+
+# ------------------------------------------------------------------------------ indexer
+
+# V4.1 indexer: 32 heads x 128, FP4 keys (ratio-2 source: 128 entries per 256-token block).
+# Decode: T requests of one row with `length` visible entries each (every row its own keys, so
+# nothing is shared in L2); prefill: one request's 4096-row chunk at positions 28672..32767
+# (causal lengths 14336..16384); reindex: 2048 candidate blocks x 8 = 16384 entries per row.
+IDX_HEADS, IDX_DIM, IDX_PER_BLOCK = 32, 128, 128
+IDX_DECODE = [(t, n) for n in (4096, 16384, 65536, 524288) for t in (1, 8, 64)]
+IDX_KEY_BYTES = IDX_DIM // 2 + IDX_DIM // 32  # codes + ue8m0 scales per entry
+
+
+class IndexerCache:
+    """One pool of random FP4 indexer keys (random code bytes, scale bytes 118..126) that
+    every case takes distinct blocks from."""
+
+    def __init__(self, n_blocks: int, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.codes = torch.randint(0, 256, (n_blocks, IDX_PER_BLOCK, IDX_DIM // 2), dtype=torch.uint8, device="cuda", generator=g)
+        self.scales = torch.randint(118, 127, (n_blocks, IDX_PER_BLOCK, IDX_DIM // 32), dtype=torch.uint8, device="cuda", generator=g)
+        self.g = g
+
+    def args(self, n_req: int, entries: int, row_req: torch.Tensor, lengths: torch.Tensor, width: int, rows_entries=None) -> list:
+        """index_scores arguments: n_req requests of `entries` entries in distinct random blocks,
+        FP4-rounded queries and per-head weights for each row."""
+        from dsv4.model import quant
+
+        g, t = self.g, row_req.numel()
+        per_req = -(-entries // IDX_PER_BLOCK)
+        blocks = torch.randperm(self.codes.shape[0], device="cuda", generator=g)[: n_req * per_req]
+        q = quant.fake_quant_fp4(torch.randn(t, IDX_HEADS, IDX_DIM, device="cuda", generator=g) * 2, 32, e4m3_scale=False).bfloat16()
+        weights = torch.randn(t, IDX_HEADS, device="cuda", generator=g) * IDX_HEADS**-0.5
+        return [q, weights, self.codes, self.scales, blocks.view(n_req, per_req).int(), row_req.int(), lengths.int(), IDX_PER_BLOCK, width, rows_entries]
+
+
+def indexer_candidates(visible: torch.Tensor, n_blocks: int, g: torch.Generator) -> torch.Tensor:
+    """A reindex row's entries: 2048 random candidate blocks of 8 among its visible entries,
+    ascending, expanded to 16384 entries (-1 for entries past the visible ones)."""
+    t = visible.numel()
+    nb = -(-visible // 8)
+    keys = torch.rand(t, n_blocks, device="cuda", generator=g).masked_fill(torch.arange(n_blocks, device="cuda") >= nb.unsqueeze(1), 2.0)
+    blocks = keys.topk(2048, dim=1, largest=False).indices.sort(dim=1).values
+    entries = (blocks.unsqueeze(2) * 8 + torch.arange(8, device="cuda")).flatten(1)
+    return torch.where(entries < visible.unsqueeze(1), entries, -1).int()
+
+
+def scores_err(y: torch.Tensor, ref: torch.Tensor, lengths: torch.Tensor) -> float:
+    """Max over rows of max |y - ref| / max |ref| on the columns the row has (finite ones);
+    inf when -inf columns differ."""
+    have = torch.arange(ref.shape[1], device=ref.device) < lengths.long().unsqueeze(1)
+    if not torch.equal(torch.isneginf(y) & have, torch.isneginf(ref) & have):
+        return float("inf")
+    fin = have & torch.isfinite(ref)
+    diff = torch.where(fin, (y.double() - ref.double()).abs(), 0.0).amax(1)
+    return (diff / torch.where(fin, ref.double().abs(), 0.0).amax(1).clamp_min(1e-30)).max().item()
+
+
+def scores_cost(args: list, key_bytes: float) -> tuple[float, float]:
+    """(bytes, FLOPs) of an index_scores call: the distinct keys read, q, weights, entries and
+    the columns written; 2 x H x Dk per scored column."""
+    q, lengths, entries = args[0], args[6], args[9]
+    t, h, dk = q.shape
+    cols = int(lengths.long().sum())
+    nbytes = key_bytes + q.numel() * 2 + t * h * 4 + cols * 4 + (entries.numel() * 4 if entries is not None else 0)
+    return nbytes, 2 * cols * h * dk
+
+
+def indexer_scores_case(label: str, args: list, key_bytes: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """index_scores against its reference (within 1e-5 of each row's largest score); time
+    both. -> (kernel scores, reference scores)."""
+    from dsv4.ops import indexer as ref_ops
+    from dsv4.ops.triton import indexer
+
+    nbytes, flops = scores_cost(args, key_bytes)
+    y = indexer.index_scores(*args)
+    ref = ref_ops.index_scores_reference(*args)
+    err = scores_err(y, ref, args[6])
+    t_k = median_time(lambda: indexer.index_scores(*args), reps=10)
+    record("index_scores", label, "triton", ok=err <= 1e-5, err=err, **perf(t_k, nbytes, flops, "bf16"))
+    t_r = median_time(lambda: ref_ops.index_scores_reference(*args), reps=3, warmup=1)
+    record("index_scores", label, "torch", **perf(t_r, nbytes, flops, "bf16"))
+    return y, ref
+
+
+IDX_SCORES_CONFIGS = [  # the default first
+    {"BLOCK_N": 64, "num_warps": 4},
+    {"BLOCK_N": 128, "num_warps": 4},
+    {"BLOCK_N": 128, "num_warps": 8},
+    {"BLOCK_N": 256, "num_warps": 8},
+    {"BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 8},
+]
+IDX_TOPK_CONFIGS = [  # the default first
+    {"BLOCK": 1024, "num_warps": 4},
+    {"BLOCK": 2048, "num_warps": 8},
+    {"BLOCK": 1024, "num_warps": 4, "CHUNK": 8192},
+    {"BLOCK": 1024, "num_warps": 4, "CHUNK": 32768},
 ]
 
 
-def attention_config_case(t: int, args: dict, decode: bool, base: torch.Tensor, cfg: dict) -> None:
-    """Time one tiling (and its difference to the default tiling's result)."""
-    from dsv4.ops.triton import attention
+def indexer_config_case(label: str, name: str, cfg: dict, run, check, nbytes: float, flops: float) -> None:
+    """Time one tiling of an indexer kernel (`name`: its config dict in the module) and check
+    its result."""
+    from dsv4.ops.triton import indexer
 
-    nbytes, flops = attention_cost(args, decode)
-    default = attention.CONFIG
-    attention.CONFIG = cfg
+    default = getattr(indexer, name)
+    setattr(indexer, name, dict(default, **cfg))
     try:
-        err = norm_err(attention.sparse_attention(**args), base)
-        t_k = median_time(lambda: attention.sparse_attention(**args), reps=10)
+        ok, err = check(run())
+        t_k = median_time(run, reps=10)
     finally:
-        attention.CONFIG = default
-    record("attention_config", f"T={t} " + " ".join(f"{k}={v}" for k, v in cfg.items()), "triton", err=err, **perf(t_k, nbytes, flops, "bf16"))
+        setattr(indexer, name, default)
+    record("indexer_config", f"{label} " + " ".join(f"{k}={v}" for k, v in cfg.items()), "triton", ok=ok, err=err, **perf(t_k, nbytes, flops, "bf16"))
 
 
-def section_attention_configs() -> None:
-    from dsv4.ops.triton import attention
+def indexer_configs(label: str, args: list, key_bytes: float, ref: torch.Tensor, k: int) -> None:
+    """Alternative tilings of index_scores (against the reference) and of topk_ascending over
+    its scores (exactly)."""
+    from dsv4.ops import indexer as ref_ops
+    from dsv4.ops.triton import indexer
 
-    for t in (1, 64, 4096):
-        decode = t <= 256
-        args = attention_data(t, decode)
-        base = attention.sparse_attention(**args)
-        for cfg in ATTN_CONFIGS:
-            guarded("attention_config", f"T={t} {cfg}", attention_config_case, t, args, decode, base, cfg)
+    nbytes, flops = scores_cost(args, key_bytes)
+    run = lambda: indexer.index_scores(*args)
+    check = lambda y: (lambda e: (e <= 1e-5, e))(scores_err(y, ref, args[6]))
+    for cfg in IDX_SCORES_CONFIGS:
+        guarded("indexer_config", f"{label} {cfg}", indexer_config_case, f"scores {label}", "SCORES_CONFIG", cfg, run, check, nbytes, flops)
+    lengths = args[6]
+    picks = ref_ops.topk_ascending_reference(ref, lengths, k)
+    run = lambda: indexer.topk_ascending(ref, lengths, k)
+    check = lambda y: (lambda same: (same, 0.0 if same else 1.0))(torch.equal(y, picks))
+    nbytes = int(lengths.long().sum()) * 4 + ref.shape[0] * k * 4
+    for cfg in IDX_TOPK_CONFIGS:
+        guarded("indexer_config", f"{label} {cfg}", indexer_config_case, f"topk k={k} {label}", "TOPK_CONFIG", cfg, run, check, nbytes, 0)
+
+
+def indexer_select_case(label: str, scores: torch.Tensor, lengths: torch.Tensor, k: int, block: int = 0) -> None:
+    """topk_ascending (k columns of the scores, or with `block` of their block maxima, after
+    block_max) against the references, exactly, and timed. Floor: the input read once."""
+    from dsv4.ops import indexer as ref_ops
+    from dsv4.ops.triton import indexer
+
+    t = scores.shape[0]
+    if block:
+        nb = -(-lengths.long() // block)
+        have = torch.arange(-(-scores.shape[1] // block), device="cuda") < nb.unsqueeze(1)
+        bm = indexer.block_max(scores, lengths, block)
+        exact = torch.equal(bm[have], ref_ops.block_max_reference(scores, lengths, block)[have])
+        t_k = median_time(lambda: indexer.block_max(scores, lengths, block), reps=10)
+        nbytes = int(lengths.long().sum()) * 4 + int(nb.sum()) * 4
+        record("block_max", f"{label} block={block}", "triton", ok=exact, err=0.0 if exact else 1.0, **perf(t_k, nbytes, 0, "bf16"))
+        scores, lengths = bm, nb.int()
+    chunks = indexer.topk_chunks(t, scores.shape[1], k, scores.device)[1]
+    case = f"{label} {'blocks ' if block else ''}k={k} chunks={chunks}"
+    exact = torch.equal(indexer.topk_ascending(scores, lengths, k), ref_ops.topk_ascending_reference(scores, lengths, k))
+    t_k = median_time(lambda: indexer.topk_ascending(scores, lengths, k), reps=10)
+    nbytes = int(lengths.long().sum()) * 4 + t * k * 4
+    record("topk_ascending", case, "triton", ok=exact, err=0.0 if exact else 1.0, **perf(t_k, nbytes, 0, "bf16"))
+    t_r = median_time(lambda: ref_ops.topk_ascending_reference(scores, lengths, k), reps=3, warmup=1)
+    record("topk_ascending", case, "torch", **perf(t_r, nbytes, 0, "bf16"))
+
+
+def indexer_decode_case(cache: IndexerCache, t: int, n: int, configs: bool) -> None:
+    arange = torch.arange(t, device="cuda")
+    args = cache.args(t, n, arange, torch.full((t,), n, device="cuda"), n)
+    label = f"decode T={t} len={n}"
+    scores, ref = indexer_scores_case(label, args, t * n * IDX_KEY_BYTES)
+    indexer_select_case(label, scores, args[6], 512)
+    indexer_select_case(label, scores, args[6], 2048, block=8)
+    if configs:
+        indexer_configs(label, args, t * n * IDX_KEY_BYTES, ref, 512)
+
+
+def indexer_prefill_case(cache: IndexerCache) -> None:
+    visible = (28672 + torch.arange(4096, device="cuda") + 1) // 2
+    args = cache.args(1, 16384, torch.zeros(4096, device="cuda"), visible, 16384)
+    label = "prefill T=4096 len<=16K"
+    scores, ref = indexer_scores_case(label, args, 16384 * IDX_KEY_BYTES)
+    indexer_select_case(label, scores, args[6], 512)
+    indexer_select_case(label, scores, args[6], 2048, block=8)
+    indexer_configs(label, args, 16384 * IDX_KEY_BYTES, ref, 512)
+
+
+def indexer_reindex_case(cache: IndexerCache, t: int, visible: torch.Tensor, n_req: int) -> None:
+    """Reindex scoring of a 16384-entry candidate pool per row, then its top 512."""
+    entries = indexer_candidates(visible, -(-int(visible.max()) // 8), cache.g)
+    width = entries.shape[1]
+    row_req = torch.arange(t, device="cuda") if n_req > 1 else torch.zeros(t, device="cuda")
+    args = cache.args(n_req, int(visible.max()), row_req, torch.full((t,), width, device="cuda"), width, entries)
+    real = entries >= 0
+    distinct = int(torch.unique((entries.long() + row_req.long().unsqueeze(1) * (1 << 32))[real]).numel())
+    label = f"reindex T={t} pool={width} of len<={int(visible.max())}"
+    scores, _ = indexer_scores_case(label, args, distinct * IDX_KEY_BYTES)
+    indexer_select_case(label, scores, args[6], 512)
+
+
+def indexer_invariance(cache: IndexerCache) -> None:
+    """Row 0 alone vs in a batch: decode T=64 at 64K (split over fewer programs in the batch)
+    and a prefill chunk (one program per row in the batch), all three ops."""
+    from dsv4.ops.triton import indexer
+
+    for label, t, n in (("decode T=64 len=64K", 64, 65536), ("prefill T=4096 len<=16K", 4096, 16384)):
+        if t == 64:
+            args = cache.args(t, n, torch.arange(t, device="cuda"), torch.full((t,), n, device="cuda"), n)
+        else:
+            args = cache.args(1, n, torch.zeros(t, device="cuda"), (28672 + torch.arange(t, device="cuda") + 1) // 2, n)
+        one = [a[:1] if i in (0, 1, 5, 6) else a for i, a in enumerate(args)]
+        m = int(args[6][0])
+        batch, alone = indexer.index_scores(*args), indexer.index_scores(*one)
+        same = torch.equal(alone[0, :m], batch[0, :m])
+        record("indexer_invariance", f"index_scores {label}: row 0 alone vs in batch", "triton", ok=same)
+        nb = -(-m // 8)
+        same = torch.equal(indexer.block_max(batch[:1], args[6][:1], 8)[0, :nb], indexer.block_max(batch, args[6], 8)[0, :nb])
+        record("indexer_invariance", f"block_max {label}: row 0 alone vs in batch", "triton", ok=same)
+        same = torch.equal(indexer.topk_ascending(batch[:1], args[6][:1], 512)[0], indexer.topk_ascending(batch, args[6], 512)[0])
+        record("indexer_invariance", f"topk_ascending {label}: row 0 alone ({indexer.topk_chunks(1, n, 512, batch.device)[1]} chunks) vs in batch", "triton", ok=same)
+
+
+def section_indexer() -> None:
+    cache = IndexerCache(64 * 524288 // IDX_PER_BLOCK)  # the largest case's keys: 2.3 GB
+    for t, n in IDX_DECODE:  # alternative tilings timed at two decode shapes and the prefill
+        guarded("index_scores", f"decode T={t} len={n}", indexer_decode_case, cache, t, n, (t, n) in ((1, 524288), (64, 65536)))
+    guarded("index_scores", "prefill", indexer_prefill_case, cache)
+    for t in (1, 64):  # decode at 1M context (ratio 2: 512K entries)
+        guarded("index_scores", f"reindex T={t}", indexer_reindex_case, cache, t, torch.full((t,), 524288, device="cuda"), t)
+    prefill_visible = (61440 + torch.arange(4096, device="cuda") + 1) // 2  # a 4096-row chunk up to 64K tokens
+    guarded("index_scores", "reindex prefill", indexer_reindex_case, cache, 4096, prefill_visible, 1)
+    guarded("indexer_invariance", "indexer", indexer_invariance, cache)
+
+
+# ------------------------------------------------------------------------------ kv store
+
+KV_KINDS = {"window": ("fp8", 512), "ckv": ("fp4_e4m3", 512), "idx": ("fp4_ue8m0", 128)}
+KV_ROWS = (1, 64, 256, 4096, 8192)
+# Largest block magnitude 2**e of the test rows. The compressed KV's E4M3 scale is amax / 6 cast
+# to float8_e4m3fn: torch < 2.12 casts finite values above 464 to NaN (2.12 made the cast
+# saturate, as the kernel does), so its rows stay below amax 6 * 448; the model's RMS-normed,
+# RoPE'd latents (|x| < ~100) are far below either. tests/ops covers the saturation on CPU.
+KV_MAX_EXP = {"window": 20, "ckv": 8, "idx": 20}
+
+
+def kv_rows(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(i0, i1, mask, S) for a cache of S x 128 entries: 90% of the rows valid, at distinct
+    targets; the masked rows carry garbage indices (far out of range, or a valid row's target)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    s, r = t // 64 + 2, 128
+    mask = torch.rand(t, device="cuda", generator=g) < 0.9
+    mask[0] = True
+    flat = torch.randperm(s * r, device="cuda", generator=g)[:t]
+    i0, i1 = flat // r, flat % r
+    i0 = torch.where(mask, i0, torch.where(torch.rand(t, device="cuda", generator=g) < 0.5, 2**40, i0[0]))
+    i1 = torch.where(mask, i1, i1[0])
+    return i0, i1, mask, s
+
+
+def kv_store_x(t: int, d: int, block: int, seed: int, max_exp: int) -> torch.Tensor:
+    """bf16 rows with per-block magnitudes 2**-20 .. 2**max_exp, some zero and -0 blocks, and
+    blocks on e2m1 rounding ties (amax 6 * 2**k, the rest ties * 2**k)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nb = d // block
+    mag = torch.exp2(torch.randint(-20, max_exp + 1, (t, nb, 1), device="cuda", generator=g).float())
+    x = torch.randn(t, nb, block, device="cuda", generator=g) * mag
+    style = torch.randint(0, 8, (t, nb, 1), device="cuda", generator=g)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], device="cuda")
+    tie = ties[torch.randint(0, 8, (t, nb, block), device="cuda", generator=g)] * mag
+    tie[..., 0] = 6.0 * mag[..., 0]
+    x = torch.where(style == 0, 0.0, torch.where(style == 1, -0.0, torch.where(style == 2, tie, x)))
+    return x.flatten(1).bfloat16()
+
+
+def kv_store_case(kind: str, t: int) -> None:
+    """store_rows against the reference `kv.store` of the valid rows (bytes equal); time both.
+    Bytes: the valid rows' x and stored entries, the masks and indices of every row."""
+    from dsv4.cache.storage import _alloc
+    from dsv4.ops import kv as kvops
+    from dsv4.ops.triton import kv as triton_kv
+
+    quant_kind, d = KV_KINDS[kind]
+    i0, i1, mask, s = kv_rows(t, seed=t)
+    block = {"window": 32, "ckv": 16, "idx": 32}[kind]
+    x = kv_store_x(t, d, block, seed=t + 1, max_exp=KV_MAX_EXP[kind])
+    got = _alloc((s, 128), d, quant_kind, torch.bfloat16, "cuda")
+    ref = _alloc((s, 128), d, quant_kind, torch.bfloat16, "cuda")
+    triton_kv.store_rows(got, kind, x, (i0, i1), mask)
+    kvops.store(ref, (i0[mask], i1[mask]), x[mask], kind)
+    exact = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in ((got.codes, ref.codes), (got.scales, ref.scales)))
+    valid = int(mask.sum())
+    entry = (d if kind == "window" else d // 2) + d // block
+    nbytes = valid * (2 * d + entry) + t * 17
+    case = f"{kind} T={t} D={d}"
+    t_k = median_time(lambda: triton_kv.store_rows(got, kind, x, (i0, i1), mask))
+    record("kv_store", case, "triton", ok=exact, err=0.0 if exact else 1.0, **perf(t_k, nbytes, 0, "bf16"))
+    t_r = median_time(lambda: kvops.store(ref, (i0[mask], i1[mask]), x[mask], kind))
+    record("kv_store", case, "torch", **perf(t_r, nbytes, 0, "bf16"))
+
+
+def kv_plain_case(t: int) -> None:
+    """store_plain of fp32 compressor-tail rows (width 512) against index_put."""
+    from dsv4.ops.triton import kv as triton_kv
+
+    i0, i1, mask, s = kv_rows(t, seed=t + 2)
+    x = torch.randn(t, 512, device="cuda")
+    got = torch.zeros(s, 128, 512, device="cuda")
+    ref = got.clone()
+    triton_kv.store_plain(got, (i0, i1), x, mask)
+    ref[i0[mask], i1[mask]] = x[mask]
+    nbytes = int(mask.sum()) * 512 * 8 + t * 17
+    t_k = median_time(lambda: triton_kv.store_plain(got, (i0, i1), x, mask))
+    record("kv_store", f"plain fp32 T={t} D=512", "triton", ok=torch.equal(got, ref), **perf(t_k, nbytes, 0, "bf16"))
+
+
+def kv_round_trip_case(kind: str, t: int) -> None:
+    """round_trip (the window KV / indexer query fake quantisation) against the torch
+    decode(encode(x)): the same bits; time both. Indexer queries are [T, 32, 128]."""
+    from dsv4.cache.storage import _alloc
+    from dsv4.ops import kv as kvops
+    from dsv4.ops.triton import kv as triton_kv
+
+    quant_kind, d = KV_KINDS[kind]
+    block = {"window": 32, "ckv": 16, "idx": 32}[kind]
+    heads = 32 if kind == "idx" else 1
+    x = kv_store_x(t * heads, d, block, seed=t + 3, max_exp=KV_MAX_EXP[kind]).view(t, heads, d).squeeze(1)
+    q = _alloc((1, 1), d, quant_kind, torch.bfloat16, "cuda")
+
+    def torch_path() -> torch.Tensor:
+        return kvops.decode(q, *kvops.encode(q, x, kind), kind, x.dtype)
+
+    got, ref = triton_kv.round_trip(kind, x), torch_path()
+    exact = torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    nbytes = 2 * x.numel() * 2
+    case = f"round_trip {kind} {list(x.shape)}"
+    record("kv_store", case, "triton", ok=exact, err=0.0 if exact else 1.0, **perf(median_time(lambda: triton_kv.round_trip(kind, x)), nbytes, 0, "bf16"))
+    record("kv_store", case, "torch", **perf(median_time(torch_path), nbytes, 0, "bf16"))
+
+
+def section_kv_store() -> None:
+    """Round trips first: the stores hand the kernels garbage indices (masked rows), and a fault
+    there would poison the process for every later case."""
+    for kind in KV_KINDS:
+        for t in KV_ROWS:
+            guarded("kv_store", f"round_trip {kind} T={t}", kv_round_trip_case, kind, t)
+    for kind in KV_KINDS:
+        for t in KV_ROWS:
+            guarded("kv_store", f"{kind} T={t}", kv_store_case, kind, t)
+    for t in (1, 4096):
+        guarded("kv_store", f"plain T={t}", kv_plain_case, t)
+
+
+# ------------------------------------------------------------------------------ engram
+
+ENGRAM_ROWS = (1, 8, 64, 256, 4096, 8192)
+ENGRAM_TABLE_ROWS = 16 << 20  # 4 GiB of FP8 rows: ids past 2**23 need int64 offsets (the released tables: 384M rows)
+
+
+def engram_setup() -> dict:
+    """The released V4.1-Flash engram shapes (D 5120, hc 4, 24 columns of 256): the hasher of
+    both engram layers on a random token map, one Engram layer with a random FP8 table of
+    ENGRAM_TABLE_ROWS rows (no NaN codes, scale bytes 100 .. 140) and a random FP8 wkv."""
+    from dsv4.cache.reference_configs import released_v41_config
+    from dsv4.config import parse_config
+    from dsv4.model.layers.engram import Engram, EngramHasher
+
+    cfg = parse_config(released_v41_config())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    token_map = torch.randint(0, cfg.engram_compressed_vocab_size, (cfg.vocab_size,), device="cuda", generator=g)
+    hasher = EngramHasher(cfg, token_map, "cuda")
+    d, hc, dim = cfg.hidden_size, cfg.hc_mult, cfg.engram_head_dim
+    cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    codes = torch.randint(0, 256, (ENGRAM_TABLE_ROWS, dim), device="cuda", generator=g, dtype=torch.uint8)
+    codes.sub_(((codes & 0x7F) == 0x7F).to(torch.uint8))  # no NaN codes (a checkpoint holds none)
+    scale = torch.randint(100, 141, (ENGRAM_TABLE_ROWS, dim // 32), device="cuda", generator=g, dtype=torch.uint8)
+    wkv, wkv_s = fp8_weight((hc + 1) * d, cols * dim, cfg.weight_block_size, seed=1)
+    w = {
+        "embed.weight": codes.view(torch.float8_e4m3fn), "embed.scale": scale, "wkv.weight": wkv, "wkv.scale": wkv_s,
+        "q_weight": (1 + 0.3 * torch.randn(hc, d, device="cuda", generator=g)).bfloat16(),
+        "k_weight": (1 + 0.3 * torch.randn(hc, d, device="cuda", generator=g)).bfloat16(),
+    }
+    return {"cfg": cfg, "hasher": hasher, "engram": Engram(w, "", cfg), "cols": cols}
+
+
+def engram_batch(cfg, t: int, seed: int) -> tuple:
+    """(ids, req int32, local, positions, prev_tokens) of T rows: decode rows (one per request)
+    up to T = 64, else requests of 512 rows; random starts, so look-backs cross prev_tokens and
+    a few requests start at 0 (blocked)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    per = 1 if t <= 64 else 512
+    rows = torch.arange(t, device="cuda")
+    req, local = rows // per, rows % per
+    b = int(req[-1]) + 1
+    start = torch.randint(0, 6000, (b,), device="cuda", generator=g)
+    start[::5] = 0
+    positions = start[req] + local
+    prev = torch.randint(0, cfg.vocab_size, (b, cfg.engram_max_ngram_size - 1), device="cuda", generator=g)
+    prev = torch.where(torch.arange(prev.shape[1], device="cuda") < start[:, None], prev, -1)
+    ids = torch.randint(0, cfg.vocab_size, (t,), device="cuda", generator=g)
+    return ids, req.int(), local, positions, prev
+
+
+def engram_streams(cfg, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 streams [T, 4, D] and a wkv output [T, 5 D] with per-row magnitudes."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    d, hc = cfg.hidden_size, cfg.hc_mult
+    mag = torch.exp2(torch.randint(-8, 9, (t, 1, 1), device="cuda", generator=g).float())
+    streams = (torch.randn(t, hc, d, device="cuda", generator=g) * mag).bfloat16()
+    kv = (torch.randn(t, (hc + 1) * d, device="cuda", generator=g) * mag[:, 0]).bfloat16()
+    return streams, kv
+
+
+def bf16_ulps(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """Max |y - ref| in bf16 ulps of ref, elementwise; with `scale`, ulps of max(|ref|, |scale|)."""
+    size = ref.float().abs() if scale is None else torch.maximum(ref.float().abs(), scale.float().abs())
+    ulp = torch.exp2(torch.floor(torch.log2(size.clamp_min(1e-30))) - 7)
+    return ((y.float() - ref.float()).abs() / ulp).max().item()
+
+
+def engram_compute_case(s: dict, t: int) -> None:
+    """Hashes (both layers): the same integers as the torch path; gate: within one bf16 ulp of
+    the torch path on the GPU, counted at the scale of the update's operands (max(|out|, |h|)):
+    out = h + g * value cancels where h ~ -g * value, and there the fp32-level difference of g
+    (its sums run in another order) is many ulps of the small result: the first H200 run saw
+    16 .. 128 per-element ulps at 0.003% of the elements (recorded as element_ulps), the class
+    the CPU interpreter reproduces at D = 5120 (tests/ops: 8 per-element ulps, 1 at the
+    operands' scale). Time each against its torch path."""
+    from dsv4.ops.triton import engram as triton_engram
+
+    cfg, hasher, eng = s["cfg"], s["hasher"], s["engram"]
+    batch = engram_batch(cfg, t, seed=t)
+    n_layers = len(cfg.engram_layer_ids)
+    hashes = hasher(*batch)
+    exact = torch.equal(hashes, hasher.reference(*batch))
+    nbytes = t * (8 * 4 + 8 * cfg.engram_max_ngram_size + 8 * n_layers * s["cols"])
+    record("engram_hash", f"T={t} L={n_layers}", "triton", ok=exact, err=0.0 if exact else 1.0, **perf(median_time(lambda: hasher(*batch)), nbytes, 0, "bf16"))
+    record("engram_hash", f"T={t} L={n_layers}", "torch", **perf(median_time(lambda: hasher.reference(*batch)), nbytes, 0, "bf16"))
+
+    streams, kv = engram_streams(cfg, t, seed=t + 2)
+    eps = cfg.rms_norm_eps
+    got, ref = triton_engram.gate(streams, kv, eng.gate_weight, eps), eng.gate_reference(streams, kv)
+    err = bf16_ulps(got, ref, streams)
+    nbytes = t * (streams[0].numel() * 4 + kv[0].numel() * 2) + eng.gate_weight.numel() * 4
+    record("engram_gate", f"T={t}", "triton", ok=err <= 1.0, err=err, exact_frac=(got == ref).float().mean().item(), element_ulps=bf16_ulps(got, ref),
+           **perf(median_time(lambda: triton_engram.gate(streams, kv, eng.gate_weight, eps)), nbytes, 0, "bf16"))
+    record("engram_gate", f"T={t}", "torch", **perf(median_time(lambda: eng.gate_reference(streams, kv)), nbytes, 0, "bf16"))
+
+
+def engram_table_ids(s: dict, t: int) -> torch.Tensor:
+    """Random ids [T, 24] of the table (strided: one layer of the hasher's [T, L, 24] layout),
+    column 0 among the table's last rows (offsets past 2**32 bytes)."""
+    g = torch.Generator(device="cuda").manual_seed(t + 1)
+    ids = torch.randint(0, ENGRAM_TABLE_ROWS, (t, len(s["cfg"].engram_layer_ids), s["cols"]), device="cuda", generator=g)
+    ids[:, :, 0] = ENGRAM_TABLE_ROWS - 1 - ids[:, :, 0] % 1024
+    return ids[:, 0]
+
+
+def engram_table_case(s: dict, t: int) -> None:
+    """Lookup: the same bits as the torch path; the whole layer (lookup, w8a16 wkv, gate) within
+    one bf16 ulp at the operands' scale (the gate's measure: both paths run the same wkv GEMM on
+    the same rows). Time each against its torch path."""
+    from dsv4.ops.triton import engram as triton_engram
+
+    cfg, eng = s["cfg"], s["engram"]
+    ids = engram_table_ids(s, t)
+    table, scale = eng.table, eng.table_scale
+    rows = triton_engram.lookup(table, scale, ids, torch.bfloat16)
+    exact = torch.equal(rows.view(torch.int16), eng.lookup_reference(ids, torch.bfloat16).view(torch.int16))
+    lookup_bytes = t * s["cols"] * (cfg.engram_head_dim * 3 + cfg.engram_head_dim // 32 + 8)
+    record("engram_lookup", f"T={t}", "triton", ok=exact, err=0.0 if exact else 1.0, **perf(median_time(lambda: triton_engram.lookup(table, scale, ids, torch.bfloat16)), lookup_bytes, 0, "bf16"))
+    record("engram_lookup", f"T={t}", "torch", **perf(median_time(lambda: eng.lookup_reference(ids, torch.bfloat16)), lookup_bytes, 0, "bf16"))
+
+    streams, _ = engram_streams(cfg, t, seed=t + 2)
+
+    def torch_layer() -> torch.Tensor:  # the same wkv GEMM around the torch lookup and gate
+        return eng.gate_reference(streams, eng.wkv(eng.lookup_reference(ids, streams.dtype)))
+
+    layer_err = bf16_ulps(eng(streams, ids), torch_layer(), streams)
+    k = s["cols"] * cfg.engram_head_dim
+    flops = 2 * t * eng.wkv.out_features * k
+    gate_bytes = t * (streams[0].numel() * 4 + eng.wkv.out_features * 2) + eng.gate_weight.numel() * 4
+    nbytes = gate_bytes + lookup_bytes + eng.wkv.out_features * k + 2 * t * eng.wkv.out_features
+    record("engram_layer", f"T={t}", "triton", ok=layer_err <= 1.0, err=layer_err, **perf(median_time(lambda: eng(streams, ids)), nbytes, flops, "bf16"))
+    record("engram_layer", f"T={t}", "torch", **perf(median_time(torch_layer), nbytes, flops, "bf16"))
+
+
+def engram_invariance(s: dict) -> None:
+    """The gate of row 0 alone / in T = 1 .. 4096 rows has the bits it has in 8192 rows."""
+    from dsv4.ops.triton import engram as triton_engram
+
+    cfg, eng = s["cfg"], s["engram"]
+    streams, kv = engram_streams(cfg, 8192, seed=5)
+    whole = triton_engram.gate(streams, kv, eng.gate_weight, cfg.rms_norm_eps)
+    same = all(torch.equal(triton_engram.gate(streams[:t], kv[:t], eng.gate_weight, cfg.rms_norm_eps)[:1], whole[:1]) for t in (1, 7, 64, 4096))
+    record("invariance", "engram gate: row 0 of T=1..4096 vs T=8192", "triton", ok=bool(same))
+
+
+def section_engram() -> None:
+    """Hashes and gates first, the table reads (ids up to the 4 GiB table's end) last: a fault
+    there poisons the process for every later case."""
+    s = engram_setup()
+    for t in ENGRAM_ROWS:
+        guarded("engram", f"hash + gate T={t}", engram_compute_case, s, t)
+    guarded("invariance", "engram", engram_invariance, s)
+    for t in ENGRAM_ROWS:
+        guarded("engram", f"lookup + layer T={t}", engram_table_case, s, t)
+
+
+# ------------------------------------------------------------------------------ mHC
+
+MHC_ROWS = (1, 8, 64, 256, 4096, 8192)
+MHC_HC, MHC_D, MHC_ITERS, MHC_EPS = 4, 5120, 20, 1e-6
+# Alternative GEMM tilings timed against the default at decode (split) and prefill sizes (a
+# different BLOCK_K changes the bits). Each one compiles the GEMM anew (seconds on a cold cache):
+# the section ran past its 30 s limit with four variants at three sizes, so one is kept, half the
+# K steps (each step now waits for its MMAs before the fp32 add).
+MHC_CONFIGS = [{"BLOCK_K": 128, "num_stages": 2}]
+MHC_CONFIG_ROWS = (1, 8192)
+
+
+def mhc_data(t: int, seed: int = 0) -> dict:
+    """Streams with per-row magnitudes, mix weights giving mixes of order 1, V4.1 shapes."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, k = (2 + MHC_HC) * MHC_HC, MHC_HC * MHC_D
+    x = torch.randn(t, MHC_HC, MHC_D, device="cuda", generator=g) * torch.exp(torch.randn(t, 1, 1, device="cuda", generator=g))
+    return {
+        "x": x.bfloat16(),
+        "fn": torch.randn(n, k, device="cuda", generator=g) * k**-0.5,
+        "base": torch.randn(n, device="cuda", generator=g) * 0.5,
+        "scale": torch.tensor([0.7, 1.3, 2.5], device="cuda"),
+        "pre": torch.rand(t, MHC_HC, device="cuda", generator=g) + 0.1,
+        "post": 2 * torch.rand(t, MHC_HC, device="cuda", generator=g),
+        "comb": torch.softmax(torch.randn(t, MHC_HC, MHC_HC, device="cuda", generator=g), dim=-1),
+        "y": torch.randn(t, MHC_D, device="cuda", generator=g).bfloat16(),
+        "weight": torch.randn(MHC_D, device="cuda", generator=g).bfloat16(),
+    }
+
+
+def mixes_fp64(a: dict) -> tuple:
+    """hc_mixes' math in fp64: the yardstick for the kernel and the fp32 torch reference."""
+    flat = a["x"].flatten(1).double()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + MHC_EPS)
+    m = flat @ a["fn"].double().T
+    s, b, hc = a["scale"].double(), a["base"].double(), MHC_HC
+    pre = torch.sigmoid(m[:, :hc] * s[0] + b[:hc]) + MHC_EPS
+    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * s[1] + b[hc : 2 * hc])
+    comb = torch.softmax((m[:, 2 * hc :] * s[2] + b[2 * hc :]).view(-1, hc, hc), dim=-1) + MHC_EPS
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + MHC_EPS)
+    for _ in range(MHC_ITERS - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + MHC_EPS)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + MHC_EPS)
+    return pre, post, comb
+
+
+def max_rel(outs: tuple, refs: tuple) -> float:
+    return max(((o.double() - r.double()).abs() / r.double().abs()).max().item() for o, r in zip(outs, refs))
+
+
+def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """V4.1's RMSNorm in torch ops (`ops.norm.rms_norm` itself runs a Triton kernel on CUDA)."""
+    h = x.float()
+    return w.to(x.dtype) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def mhc_mixes_args(a: dict) -> tuple:
+    return (a["x"], a["fn"], a["base"], a["scale"], MHC_HC, MHC_ITERS, MHC_EPS, MHC_EPS)
+
+
+def mhc_case(t: int) -> None:
+    """mixes (vs fp64: within 2x the fp32 reference's error), collapse + norm, collapse and
+    expand (vs the torch reference: within a bf16 ulp, collapse + norm within two); kernel and
+    torch times."""
+    from dsv4.ops import mhc
+    from dsv4.ops.norm import rms_norm
+    from dsv4.ops.triton import mhc as triton_mhc
+
+    a = mhc_data(t, seed=t)
+    x, pre, w = a["x"], a["pre"], a["weight"]
+    stream_bytes = t * MHC_HC * MHC_D * 2
+    row_bytes = t * MHC_D * 2
+    args = mhc_mixes_args(a)
+    exact = mixes_fp64(a)
+    err_k = max_rel(triton_mhc.hc_mixes(*args), exact)
+    err_r = max_rel(mhc.hc_mixes_reference(*args), exact)
+    nbytes = stream_bytes + a["fn"].numel() * 4 + t * 24 * 4
+    t_k = median_time(lambda: triton_mhc.hc_mixes(*args))
+    record("mhc_mixes", f"T={t}", "triton", ok=err_k <= max(2e-6, 2 * err_r), err=err_k, **perf(t_k, nbytes, 0, "bf16"))
+    t_r = median_time(lambda: mhc.hc_mixes_reference(*args))
+    record("mhc_mixes", f"T={t}", "torch", err=err_r, **perf(t_r, nbytes, 0, "bf16"))
+
+    ulp = 2**-7  # one bf16 ulp, relative
+    # name -> (kernel, torch, extra bytes, error, tolerance). V4.1's norm rounds twice:
+    # bf16(w * bf16(normed)); its rstd differs from torch's at fp32 level (sum order), which can
+    # flip bf16(normed) by one ulp, and times w that is up to two ulps of the result (the first
+    # H200 run: 8.0e-3 relative at T=256, 2 ulps of an element with mantissa 1.95), so it is
+    # counted in ulps of each element.
+    collapses = {
+        "mhc_collapse": (lambda: triton_mhc.hc_collapse(x, pre), lambda: mhc.hc_collapse_reference(x, pre), 0, lambda y, r: rel_err(y, r, floor=1e-3), ulp),
+        "mhc_collapse_norm": (
+            lambda: triton_mhc.hc_collapse_norm(x, pre, w, MHC_EPS, False),
+            lambda: rms_norm_torch(mhc.hc_collapse_reference(x, pre), w, MHC_EPS),
+            MHC_D * 2,
+            bf16_ulps,
+            2.0,
+        ),
+    }
+    for name, (fn_k, fn_r, extra, measure, tol) in collapses.items():
+        y, ref = fn_k(), fn_r()
+        err = measure(y, ref)
+        nbytes = stream_bytes + row_bytes + t * MHC_HC * 4 + extra
+        t_k = median_time(fn_k)
+        record(name, f"T={t}", "triton", ok=err <= tol, err=err, exact_frac=(y == ref).float().mean().item(), **perf(t_k, nbytes, 0, "bf16"))
+        record(name, f"T={t}", "torch", **perf(median_time(fn_r), nbytes, 0, "bf16"))
+
+    def two_kernels() -> torch.Tensor:  # unfused, through the dispatchers: collapse, then ops.norm's kernel
+        return rms_norm(mhc.hc_collapse(x, pre), w, MHC_EPS, False)
+
+    fused_bytes = stream_bytes + row_bytes + t * MHC_HC * 4 + MHC_D * 2  # the fused kernel's floor
+    record("mhc_collapse_norm", f"T={t}", "two_kernels", **perf(median_time(two_kernels), fused_bytes, 0, "bf16"))
+
+    exp_args = (a["y"], x, a["post"], a["comb"])
+    ref = mhc.hc_expand_reference(*exp_args, fp32=True)
+    y = triton_mhc.hc_expand(*exp_args)
+    err = rel_err(y, ref, floor=1e-3)
+    nbytes = row_bytes + 2 * stream_bytes + t * MHC_HC * (MHC_HC + 1) * 4
+    t_k = median_time(lambda: triton_mhc.hc_expand(*exp_args))
+    record("mhc_expand", f"T={t}", "triton", ok=err <= ulp, err=err, exact_frac=(y == ref).float().mean().item(), **perf(t_k, nbytes, 0, "bf16"))
+    record("mhc_expand", f"T={t}", "torch", **perf(median_time(lambda: mhc.hc_expand_reference(*exp_args, fp32=True)), nbytes, 0, "bf16"))
+
+
+def mhc_invariance() -> None:
+    """Row 0 alone and in batches of 8..4096 (split over K chunks) has its bits of an 8192-row
+    batch (not split), for mixes, collapse + norm and expand."""
+    from dsv4.ops.triton import mhc as triton_mhc
+
+    a = mhc_data(8192, seed=1)
+    whole = triton_mhc.hc_mixes(*mhc_mixes_args(a))
+    cn = triton_mhc.hc_collapse_norm(a["x"], a["pre"], a["weight"], MHC_EPS, False)
+    ex = triton_mhc.hc_expand(a["y"], a["x"], a["post"], a["comb"])
+    same = True
+    for m in (1, 8, 256, 4096):
+        part = {k: v[:m] if k in ("x", "pre", "post", "comb", "y") else v for k, v in a.items()}
+        same &= all(torch.equal(p[:1], q[:1]) for p, q in zip(triton_mhc.hc_mixes(*mhc_mixes_args(part)), whole))
+        same &= torch.equal(triton_mhc.hc_collapse_norm(part["x"], part["pre"], a["weight"], MHC_EPS, False)[:1], cn[:1])
+        same &= torch.equal(triton_mhc.hc_expand(part["y"], part["x"], part["post"], part["comb"])[:1], ex[:1])
+    record("invariance", "mhc mixes / collapse_norm / expand: row 0 of T=1..4096 vs T=8192", "triton", ok=bool(same))
+
+
+def mhc_config_case(t: int, a: dict, cfg: dict) -> None:
+    from dsv4.ops.triton import mhc as triton_mhc
+
+    default = dict(triton_mhc.CONFIG)
+    triton_mhc.CONFIG.update(cfg)
+    try:
+        args = mhc_mixes_args(a)
+        err = max_rel(triton_mhc.hc_mixes(*args), mixes_fp64(a))
+        t_k = median_time(lambda: triton_mhc.hc_mixes(*args))
+    finally:
+        triton_mhc.CONFIG.clear()
+        triton_mhc.CONFIG.update(default)
+    nbytes = a["x"].numel() * 2 + a["fn"].numel() * 4 + t * 24 * 4
+    record("mhc_config", f"T={t} " + " ".join(f"{k}={v}" for k, v in cfg.items()), "triton", err=err, **perf(t_k, nbytes, 0, "bf16"))
+
+
+def section_mhc() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
+    for t in MHC_ROWS:
+        guarded("mhc", f"T={t}", mhc_case, t)
+    guarded("invariance", "mhc", mhc_invariance)
+    for t in MHC_CONFIG_ROWS:
+        a = mhc_data(t, seed=t)
+        for cfg in MHC_CONFIGS:
+            guarded("mhc_config", f"T={t} {cfg}", mhc_config_case, t, a, cfg)
 
 
 # ------------------------------------------------------------------------------ batch invariance
 
 
+INVARIANCE_ROWS = (1, 16, 17, 32, 33, 64, 256)  # both sides of every row-class boundary
+INVARIANCE_TOKENS = (1, 8, 64, 1024, 2048)  # MoE row tiles 16, 16, 16, 32, 64 (T=4096: 128)
+
+
 def invariance_fp8_linear(name: str, n: int, k: int, block: int) -> None:
+    """Row 0 alone and in batches of every row class (row tiles 16 .. 128, split-K and not)
+    against the same row in 4096 rows; the record counts the differing outputs per M."""
     from dsv4.ops.triton import fp8_gemm
 
     w, s = fp8_weight(n, k, block, seed=1)
-    x = torch.randn(256, k, device="cuda").bfloat16()
-    batch = fp8_gemm.fp8_linear_w8a16(x, w, s, block)
-    same = all(torch.equal(fp8_gemm.fp8_linear_w8a16(x[:m], w, s, block)[:1], batch[:1]) for m in (1, 8, 64))
-    record("invariance", f"fp8_linear_w8a16 {name}: row 0 of M=1,8,64 vs M=256", "triton", ok=same)
+    x = torch.randn(4096, k, device="cuda").bfloat16()
+    batch = fp8_gemm.fp8_linear_w8a16(x, w, s, block)  # row tile 128, one program per tile over all chunks
+    differ = {m: int((fp8_gemm.fp8_linear_w8a16(x[:m], w, s, block)[0] != batch[0]).sum()) for m in INVARIANCE_ROWS}
+    rows = ",".join(map(str, INVARIANCE_ROWS))
+    record("invariance", f"fp8_linear_w8a16 {name}: row 0 of M={rows} vs M=4096", "triton", ok=not any(differ.values()), differing=differ)
 
 
 def invariance_moe() -> None:
@@ -409,31 +1537,31 @@ def invariance_moe() -> None:
 
     x, ids, weights, w13, s13, w2, s2 = moe_data(4096, seed=1)
     batch = moe.moe_experts(x, ids, weights, w13, s13, w2, s2, 10.0, True)
-    same = all(torch.equal(moe.moe_experts(x[:m], ids[:m], weights[:m], w13, s13, w2, s2, 10.0, True)[:1], batch[:1]) for m in (1, 64))
-    record("invariance", "moe_experts: token 0 of T=1,64 (row tile 16) vs T=4096 (64)", "triton", ok=same)
+    differ = {t: int((moe.moe_experts(x[:t], ids[:t], weights[:t], w13, s13, w2, s2, 10.0, True)[0] != batch[0]).sum()) for t in INVARIANCE_TOKENS}
+    tiles = ",".join(str(moe.moe_config(t * ids.shape[1], w13.shape[0])["BLOCK_T"]) for t in INVARIANCE_TOKENS)
+    label = f"moe_experts: token 0 of T={','.join(map(str, INVARIANCE_TOKENS))} (row tiles {tiles}) vs T=4096"
+    record("invariance", label, "triton", ok=not any(differ.values()), differing=differ)
 
 
 def invariance_attention() -> None:
-    """Token 0 alone (one program per chunk under "auto") and in a 64-token decode batch
-    (unsplit under "auto"): same bits under the fixed policies; "auto" is reported."""
+    """Token 0 alone (spread over more programs by "auto") and in a 64-token decode batch, and
+    the batch under every fixed spread (PV channel slices, logits tiles per program): the same
+    bits, which also checks on the hardware that a wgmma's N does not change its results."""
     from dsv4.ops.triton import attention
 
     args = attention_data(64, True, seed=1)
     alone = dict(args, **{k: args[k][:1] for k in ("q", "kv_new", "topk", "token_req", "positions")})
-    default = attention.CONFIG
-    try:
-        for policy in ("always", "never", "auto"):
-            attention.CONFIG = dict(default, SPLIT=policy)
-            same = torch.equal(attention.sparse_attention(**alone)[0], attention.sparse_attention(**args)[0])
-            case = f"sparse_attention SPLIT={policy}: token 0 alone vs in T=64"
-            record("invariance", case, "triton", **({"ok": same} if policy != "auto" else {"same_bits": same}))
-    finally:
-        attention.CONFIG = default
+    batch = attention.sparse_attention(**args)
+    same = torch.equal(attention.sparse_attention(**alone)[0], batch[0])
+    record("invariance", "sparse_attention: token 0 alone vs in T=64 (default spread)", "triton", ok=same)
+    for spread in ({"DSPLIT": d, "TILES_PER_PROGRAM": n} for d in attention.DSPLITS for n in (1, 5)):
+        same = torch.equal(attention.sparse_attention(**args, config=spread), batch)
+        record("invariance", f"sparse_attention T=64 {attention_label(spread)} vs default", "triton", ok=same)
 
 
 def section_invariance() -> None:
     """A row computed alone must have the bits it has inside a batch."""
-    for name, n, k, block in (p for p in PROJECTIONS if p[0] in ("wq_a", "wo_b")):
+    for name, n, k, block in (p for p in PROJECTIONS if p[0] in ("wq_a", "wq_b", "wo_b")):  # 10, 1, 6 chunks
         guarded("invariance", f"fp8_linear_w8a16 {name}", invariance_fp8_linear, name, n, k, block)
     guarded("invariance", "moe_experts", invariance_moe)
     guarded("invariance", "sparse_attention", invariance_attention)
@@ -443,64 +1571,201 @@ def section_invariance() -> None:
 
 
 def compile_targets() -> list[tuple]:
-    """(label, kernel, argument types, constexprs, options) of every kernel variant the
-    wrappers launch at the real shapes (index tensors int64, as the tests pass them)."""
+    """(label, kernel, argument types, constexprs, options[, the MMA the variant must compile
+    to]) of every kernel variant the wrappers launch at the real shapes (index tensors int64, as
+    the tests pass them)."""
     from dsv4.ops.triton import attention, fp8_gemm, moe
 
     i, f = "i32", "fp32"
     out = []
-    w8a16 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "out_ptr": "*fp32", "M": i, "N": i, "K": i, "stride_xm": i, "stride_wn": i, "stride_sn": i, "stride_om": i, "stride_chunk": i, "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
-    for bm in (16, 64):
+    a = "i32:16"  # sizes and strides that are multiples of 16 at the real shapes
+    w8a16 = {
+        "x_ptr": "*bf16:16", "w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "part_ptr": "*fp32:16", "count_ptr": "*i32:16",
+        "M": i, "N": a, "K": a, "CHUNK_K": a, "stride_xm": a, "stride_wn": a, "stride_sn": a, "stride_om": a,
+    }
+    for max_rows, cfg in fp8_gemm.W8A16["rows"]:
         for block in (32, 128):
-            consts = {"QBLOCK": block, "BLOCK_M": bm, "BLOCK_N": fp8_gemm.W8A16_BLOCK_N, "BLOCK_K": fp8_gemm.W8A16_BLOCK_K}
-            out.append((f"w8a16 BM={bm} b={block}", fp8_gemm._w8a16_kernel, w8a16, consts, {"num_warps": 4 if bm == 16 else 8, "num_stages": 6 if bm == 16 else 4}))
-    out.append(("w8a16 chunk sum", fp8_gemm._chunk_sum_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", "numel": i, "CHUNKS": i}, {"BLOCK": 1024}, {"num_warps": 4}))
-    act = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*u8", "M": i, "K": i, "stride_xm": i, "stride_qm": i, "stride_sm": i}
+            for split in (False, True):
+                tiles = {k: cfg[k] for k in ("BLOCK_T", "BLOCK_N", "BLOCK_K", "GROUP_T")}
+                consts = dict(tiles, QBLOCK=block, PIECE=min(block, 32), SPLIT=split, EVEN_K=True, PTX=True, LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS)
+                label = f"w8a16 rows<={max_rows} BT={cfg['BLOCK_T']} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} b={block} split={split}"
+                # every row class on wgmma: the batch-invariance contract (fp8_gemm.W8A16)
+                out.append((label, fp8_gemm._w8a16_kernel, w8a16, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, "wgmma"))
+    act = {"x_ptr": "*bf16:16", "q_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "M": i, "K": a, "stride_xm": a, "stride_qm": a, "stride_sm": a}
     for block in (32, 128):
         out.append((f"act quant b={block}", fp8_gemm._act_quant_kernel, act, {"QBLOCK": block, "BLOCK_R": min(64, 4096 // block)}, {"num_warps": 4}))
-    w8a8 = {"a_ptr": "*fp8e4nv", "as_ptr": "*u8", "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "out_ptr": "*bf16", "M": i, "N": i, "K": i, "ROW_CLASS": i, "stride_am": i, "stride_asm": i, "stride_wn": i, "stride_wsn": i, "stride_om": i}
+    w8a8 = {
+        "a_ptr": "*fp8e4nv:16", "as_ptr": "*u8:16", "w_ptr": "*fp8e4nv:16", "ws_ptr": "*u8:16", "out_ptr": "*bf16:16",
+        "M": i, "N": a, "K": a, "ROW_CLASS": i, "stride_am": a, "stride_asm": a, "stride_wn": a, "stride_wsn": a, "stride_om": a,
+    }
     for cfg in fp8_gemm.w8a8_configs(gpu=True):
         for block in (32, 128):
             consts = dict(cfg.kwargs, QBLOCK=block, BLOCK_K=32)
             out.append((f"w8a8 {cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']} b={block}", fp8_gemm._w8a8_kernel.fn, w8a8, consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}))
-    common = {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "rows_ptr": "*i64", "tile_expert_ptr": "*i64", "rw_ptr": "*fp32", "n_pairs": i, "n_experts": i, "D": i, "I": i, "stride_we": "i64", "stride_wn": i, "stride_se": i, "stride_sn": i}
-    gate_up = dict(common, x_ptr="*bf16", act_ptr="*bf16", stride_x=i, stride_act=i, limit=f)
-    down = dict(common, act_ptr="*bf16", y_ptr="*bf16", stride_act=i, stride_y=i)
-    for bm in (16, 64):
-        opts = {"num_warps": 4 if bm == 16 else 8, "num_stages": 4}
+    common = {
+        "w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "rows_ptr": "*i32:16", "tile_expert_ptr": "*i32:16", "rw_ptr": "*fp32:16",
+        # stride_we: 2 * 2304 * 5120 elements per expert fits int32, so the launch passes i32
+        # (an i64 here described a variant that never ran, and hid the kernels' int32 overflow)
+        "n_pairs": i, "n_experts": i, "D": a, "I": a, "stride_we": a, "stride_wn": a, "stride_se": a, "stride_sn": a,
+    }
+    gate_up = dict(common, x_ptr="*bf16:16", act_ptr="*bf16:16", stride_x=a, stride_act=a, limit=f)
+    down = dict(common, act_ptr="*bf16:16", y_ptr="*bf16:16", stride_act=a, stride_y=a)
+    for max_mean, cfg in moe.MOE["rows"]:
         for before in (True, False):
-            tiles = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": moe.SCALE_BLOCK}
-            out.append((f"moe gate_up BM={bm} before={before}", moe._gate_up_kernel, gate_up, dict(tiles, TOPK=6, HAS_LIMIT=True), opts))
-            out.append((f"moe down BM={bm} before={before}", moe._down_kernel, down, tiles, opts))
-    out.append(("moe slot sum", moe._sum_slots_kernel, {"y_ptr": "*bf16", "out_ptr": "*fp32", "D": i}, {"TOPK": 6, "BLOCK": 1024}, {"num_warps": 4}))
-    idx = {n: "*i64" for n in ("topk_ptr", "token_req_ptr", "pos_ptr", "start_ptr", "row_ptr", "slot_ptr", "floor_ptr", "block_table_ptr")}
-    attn = dict(
-        idx, q_ptr="*bf16", kv_new_ptr="*bf16", ring_ptr="*fp8e4nv", ring_scale_ptr="*u8", ckv_ptr="*u8", ckv_scale_ptr="*fp8e4nv", sink_ptr="*fp32",
-        out_ptr="*bf16", part_ptr="*fp32", part_ml_ptr="*fp32", H=i, n_top=i, sm_scale=f,
-        stride_qt=i, stride_qh=i, stride_kv=i, stride_top=i, stride_bt=i, stride_ot=i, stride_oh=i,
-    )
-    cfg = attention.CONFIG
-    tiles = {k: cfg[k] for k in ("BLOCK_H", "BLOCK_N", "CHUNK_TILES")}
-    for split in (False, True):
-        consts = dict(tiles, WINDOW=128, PER_BLOCK=128, DIM=512, SPLIT=split)
-        out.append((f"attention split={split}", attention._sparse_attn_kernel, attn, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}))
-    combine = {"part_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16", "H": i, "CHUNKS": i, "stride_ot": i, "stride_oh": i}
-    out.append(("attention combine", attention._combine_kernel, combine, {"DIM": 512, "BLOCK_H": cfg["BLOCK_H"]}, {"num_warps": cfg["num_warps"]}))
+            for name, kernel, types, part in (("gate_up", moe._gate_up_kernel, gate_up, cfg["gate_up"]), ("down", moe._down_kernel, down, cfg["down"])):
+                consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True}
+                if name == "gate_up":
+                    consts.update(TOPK=6, HAS_LIMIT=True)
+                label = f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} before={before}"
+                out.append((label, kernel, types, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
+    align = {"ids_ptr": "*i64:16", "rows_ptr": "*i32:16", "tile_expert_ptr": "*i32:16", "n_pairs": i, "n_experts": i, "n_tiles": i}
+    for e_block in (64, 512):
+        bt = moe.MOE["rows"][0][1]["BLOCK_T"]
+        consts = {"BLOCK_T": bt, "E_BLOCK": e_block, "P_BLOCK": max(16, min(64, 8192 // e_block)), "FILL": 1024}
+        out.append((f"moe align E<={e_block}", moe._align_kernel, align, consts, {"num_warps": 8 if e_block >= 256 else 4}))
+    out.append(("moe slot sum", moe._sum_slots_kernel, {"y_ptr": "*bf16:16", "ids_ptr": "*i64:16", "out_ptr": "*fp32:16", "D": a}, {"TOPK": 6, "K_BLOCK": 8, "BLOCK": 1024}, {"num_warps": 4}))
+    out.extend(attention_compile_targets())
+    out.extend(kv_store_compile_targets())
+    out.extend(engram_compile_targets())
+    out.extend(mhc_compile_targets())
+    out.extend(indexer_compile_targets())
     return out
 
 
-def compile_case(label: str, kernel, types: dict, consts: dict, options: dict) -> None:
+def attention_compile_targets() -> list[tuple]:
+    """Both sparse-attention kernels at V4.1's shapes (64 heads x 512, window 128, top-k 512,
+    ratio-2 blocks): the default configuration with every PV channel split the "auto" policy
+    picks, and the alternatives `attention_sweep` times (each must compile without spills)."""
+    from dsv4.ops.triton import attention
+
+    a = "i32:16"  # sizes and strides that are multiples of 16 at the real shapes
+    idx = {n: "*i64:16" for n in ("topk_ptr", "token_req_ptr", "pos_ptr", "start_ptr", "row_ptr", "slot_ptr", "floor_ptr", "block_table_ptr")}
+    caches = dict(idx, kv_new_ptr="*bf16:16", ring_ptr="*fp8e4nv:16", ring_scale_ptr="*u8:16", ckv_ptr="*u8:16", ckv_scale_ptr="*fp8e4nv:16", s_ptr="*bf16:16", stat_ptr="*fp32:16")
+    logits = dict(caches, q_ptr="*bf16:16", H=a, n_top=a, n_keys=a, n_tiles="i32", tiles_per_program="i32", sm_scale="fp32",
+                  stride_qt=a, stride_qh=a, stride_kv=a, stride_top=a, stride_bt=a)
+    pv = dict(caches, sink_ptr="*fp32:16", out_ptr="*bf16:16", H=a, n_top=a, n_keys=a, n_stat_tiles="i32",
+              stride_kv=a, stride_top=a, stride_bt=a, stride_ot=a, stride_oh=a)
+    shape = {"WINDOW": 128, "PER_BLOCK": 128, "DIM": 512}
+    out = []
+    for cfg in attention_logit_variants():
+        c = {**attention.CONFIG, **cfg}
+        consts = dict(shape, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"])
+        label = f"attention logits BN={c['LOGIT_BLOCK_N']} piece={c['PIECE']} w={c['logit_warps']} s={c['logit_stages']}"
+        out.append((label, attention._logits_kernel, logits, consts, {"num_warps": c["logit_warps"], "num_stages": c["logit_stages"]}))
+    for cfg in attention_pv_variants():
+        c = {**attention.CONFIG, **cfg}
+        consts = dict(shape, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"])
+        label = f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']}"
+        out.append((label, attention._pv_kernel, pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}))
+    return out
+
+
+def kv_store_compile_targets() -> list[tuple]:
+    """The masked cache stores at V4.1's widths (window / compressed KV 512, indexer keys 128)."""
+    from dsv4.ops.triton import kv
+
+    i = "i32"
+    rows = {"mask_ptr": "*u8", "i0_ptr": "*i64", "i1_ptr": "*i64", "T": i, "S": i, "R": i}
+    quant = dict(rows, codes_ptr="*u8", scales_ptr="*u8", NB=i, stride_x=i, stride_c0=i, stride_c1=i, stride_s0=i, stride_s1=i)
+    out = [("kv store window fp8", kv._store_fp8_kernel, dict(quant, x_ptr="*bf16", codes_ptr="*fp8e4nv"), {"BLOCK": 32, "NB_P": 16, "BLOCK_T": kv._rows_per_program(512)}, {"num_warps": 4})]
+    for kind, block, d, e4m3 in (("ckv", 16, 512, True), ("idx", 32, 128, False)):
+        types = dict(quant, x_ptr="*bf16", scales_ptr="*fp8e4nv" if e4m3 else "*u8")
+        consts = {"E4M3_SCALE": e4m3, "BLOCK": block, "NB_P": d // block, "BLOCK_T": kv._rows_per_program(d)}
+        out.append((f"kv store {kind} fp4", kv._store_fp4_kernel, types, consts, {"num_warps": 4}))
+    plain = dict(rows, D=i, stride_x=i, stride_d0=i, stride_d1=i)
+    for src, dst in (("fp32", "fp32"), ("bf16", "bf16")):
+        consts = {"BLOCK_T": kv._rows_per_program(512), "BLOCK_D": 512}
+        out.append((f"kv store plain {src}->{dst}", kv._store_plain_kernel, dict(plain, x_ptr=f"*{src}", dst_ptr=f"*{dst}"), consts, {"num_warps": 4}))
+    trip = {"x_ptr": "*bf16:16", "out_ptr": "*bf16:16", "M": i, "NB": i, "stride_x": "i32:16", "stride_o": "i32:16"}
+    for kind, block, d in (("window", 32, 512), ("ckv", 16, 512), ("idx", 32, 128)):
+        consts = {"FP8": kind == "window", "E4M3_SCALE": kind == "ckv", "BLOCK": block, "NB_P": d // block, "BLOCK_T": kv._rows_per_program(d)}
+        out.append((f"kv round_trip {kind}", kv._round_trip_kernel, trip, consts, {"num_warps": 4}))
+    return out
+
+
+def engram_compile_targets() -> list[tuple]:
+    """The engram kernels at V4.1's shapes: 2 layers x 24 columns (4-grams, 8 heads), rows of
+    256 with 8 scales, D 5120 with 4 streams."""
+    from dsv4.ops.triton import engram
+
+    i, f = "i32", "fp32"
+    hashing = {n: "*i64" for n in ("ids_ptr", "local_ptr", "pos_ptr", "prev_ptr", "map_ptr", "mult_ptr", "primes_ptr", "offsets_ptr", "out_ptr")}
+    hashing.update(req_ptr="*i32", T=i, P=i, V=i, L=i, C=i, pad=i, stride_prev=i)
+    out = [("engram hash L=2 N=4 heads=8", engram._hash_kernel, hashing, {"N": 4, "HEADS": 8, "L_P": 2, "C_P": 32, "BLOCK_T": engram.HASH_TILE // 64}, {"num_warps": 4})]
+    lookup = {"hash_ptr": "*i64", "table_ptr": "*fp8e4nv:16", "scale_ptr": "*u8:16", "out_ptr": "*bf16:16", "C": i, "R": i, "stride_ht": i, "stride_hc": i, "stride_table": "i32:16", "stride_scale": i, "stride_o": "i32:16"}
+    out.append(("engram lookup dim=256", engram._lookup_kernel, lookup, {"NB": 8, "SB": 32, "NB_P": 8, "BLOCK_C": engram.LOOKUP_COLS}, {"num_warps": 4}))
+    a = "i32:16"
+    gate = {"s_ptr": "*bf16:16", "kv_ptr": "*bf16:16", "w_ptr": "*fp32:16", "out_ptr": "*bf16:16", "D": a, "stride_st": a, "stride_sh": a, "stride_kv": a, "stride_ot": a, "stride_oh": a, "d_float": f, "inv_sqrt_d": f, "eps": f}
+    out.append(("engram gate D=5120 hc=4", engram._gate_kernel, gate, {"HC": 4, "BLOCK_D": 8192}, {"num_warps": 8, "enable_fp_fusion": False}))
+    return out
+
+
+def mhc_compile_targets() -> list[tuple]:
+    """mHC at hc = 4, D = 5120 (V4's 4096 for the fp32-weight norm)."""
+    from dsv4.ops.triton import mhc
+
+    i, f = "i32", "fp32"
+    cfg = mhc.CONFIG
+    gemm = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "T": i, "N": i, "K": i, "stride_x": i, "stride_fn": i, "stride_part": i, "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
+    out = [("mhc mixes gemm", mhc._mixes_gemm_kernel, gemm, {"NP": 32, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_K": cfg["BLOCK_K"]}, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})]
+    epi = {n: "*fp32" for n in ("part_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")}
+    epi.update(T=i, K=i, stride_part=i, iters=i, norm_eps=f, hc_eps=f)
+    for chunks in (1, mhc.mixes_chunks(4 * 5120)[1]):
+        out.append((f"mhc mixes epilogue chunks={chunks}", mhc._mixes_epilogue_kernel, epi, {"CHUNKS": chunks, "HC": 4, "NP": 32, "BLOCK_T": cfg["EPI_BLOCK_T"]}, {"num_warps": 4}))
+    col = {"x_ptr": "*bf16", "pre_ptr": "*fp32", "out_ptr": "*bf16", "D": i, "stride_xt": i, "stride_xh": i, "stride_ot": i, "eps": f}
+    for norm, fp32_w, d in ((False, False, 5120), (True, False, 5120), (True, True, 4096)):
+        types = dict(col, w_ptr="*fp32" if fp32_w or not norm else "*bf16")
+        consts = {"HC": 4, "NORM": norm, "WEIGHT_IN_FP32": fp32_w, "BLOCK_D": 8192 if d > 4096 else 4096}
+        out.append((f"mhc collapse norm={norm} fp32_weight={fp32_w} D={d}", mhc._collapse_kernel, types, consts, {"num_warps": 8, "enable_fp_fusion": False}))
+    expand = {"y_ptr": "*bf16", "res_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16", "D": i, "stride_yt": i, "stride_rt": i, "stride_rh": i}
+    out.append(("mhc expand", mhc._expand_kernel, expand, {"HC": 4, "BLOCK_D": mhc.EXPAND_BLOCK_D}, {"num_warps": 4, "enable_fp_fusion": False}))
+    return out
+
+
+def indexer_compile_targets() -> list[tuple]:
+    """The indexer kernels at V4.1's shapes: 32 heads x 128, ratio 2 / 1 (128 / 256 entries per
+    block), with and without entry lists; candidate blocks of 8; the three top-k stages."""
+    from dsv4.ops.triton import indexer
+
+    i = "i32"
+    idx = {n: "*i32" for n in ("block_table_ptr", "row_req_ptr", "lengths_ptr", "entries_ptr")}
+    scores = dict(
+        idx, q_ptr="*bf16", w_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8", out_ptr="*fp32", H=i, width=i, scale="fp32",
+        stride_qt=i, stride_qh=i, stride_wt=i, stride_bt=i, stride_et=i, stride_ot=i,
+    )
+    cfg = indexer.SCORES_CONFIG
+    out = []
+    for per_block in (128, 256):
+        for entries in (False, True):
+            consts = {"PER_BLOCK": per_block, "DK": 128, "BLOCK_H": 32, "BLOCK_N": cfg["BLOCK_N"], "HAS_ENTRIES": entries, "CONTIGUOUS": not entries}
+            out.append((f"index_scores per_block={per_block} entries={entries}", indexer._index_scores_kernel, scores, consts, {"num_warps": cfg["num_warps"]}))
+    block_max = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*fp32", "width": i, "stride_st": i, "stride_ot": i}
+    bcfg = indexer.BLOCK_MAX_CONFIG
+    out.append(("block_max block=8", indexer._block_max_kernel, block_max, {"BLOCK": 8, "TILE_BLOCKS": bcfg["TILE_BLOCKS"]}, {"num_warps": bcfg["num_warps"]}))
+    topk = {"v_ptr": "*fp32", "col_ptr": "*i32", "lengths_ptr": "*i32", "out_ptr": "*i32", "out_v_ptr": "*fp32", "width": i, "k": i, "chunk": i, "stride_v": i, "stride_c": i}
+    tcfg = indexer.TOPK_CONFIG
+    for stage in (0, 1, 2):
+        out.append((f"topk_ascending stage={stage}", indexer._topk_kernel, topk, {"STAGE": stage, "BLOCK": tcfg["BLOCK"]}, {"num_warps": tcfg["num_warps"]}))
+    return out
+
+
+def compile_case(label: str, kernel, types: dict, consts: dict, options: dict, mma_required: str | None = None) -> None:
     """Compile for sm_90 with the wheel's ptxas (no GPU needed); registers, spill stack and
-    shared memory per thread block from cuobjdump."""
+    shared memory per thread block from cuobjdump. A type written "*bf16:16" or "i32:16" marks
+    an argument the launch specialises as a multiple of 16 (torch's pointers; sizes and strides
+    at the real shapes): without it loads are not vectorised and not pipelined, and the report
+    would describe a kernel the launch never runs. `mma_required` ("wgmma"): the variant fails
+    unless every MMA it issues is of that family (what the GEMMs' bits contract rests on)."""
     import re
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+    signature = {name: types.get(name, "constexpr").split(":")[0] for name in kernel.arg_names}
+    aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items() if t.endswith(":16")}
     start = time.time()
-    compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(ASTSource(kernel, signature, consts, aligned), target=GPUTarget("cuda", 90, 32), options=options)
     usage = {}
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     if cuobjdump.exists():
@@ -512,6 +1777,9 @@ def compile_case(label: str, kernel, types: dict, consts: dict, options: dict) -
         if found:
             usage = {"registers": int(found[1]), "spill_stack_bytes": int(found[2])}
     mma = "wgmma" if "wgmma" in compiled.asm["ptx"] else "mma.sync" if "mma.sync" in compiled.asm["ptx"] else "none"
+    families = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync"}
+    if mma_required and (families[mma_required] not in compiled.asm["ptx"] or any(f in compiled.asm["ptx"] for k, f in families.items() if k != mma_required)):
+        raise RuntimeError(f"{label}: must compile to {mma_required} only, got {mma} (a row's bits would then depend on its row class)")
     record("compile_sm90", label, "triton", ok=True, seconds=time.time() - start, shared_bytes=compiled.metadata.shared, mma=mma, **usage)
 
 

@@ -30,6 +30,7 @@ _FP4_LUT: dict[torch.device, torch.Tensor] = {}
 # whose upper neighbour has an odd code sits just above the boundary.
 _E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_GOES_UP = (False, True, False, True, False, True, False)
+_E2M1_THRESHOLDS: dict[torch.device, torch.Tensor] = {}
 
 
 class FormatError(ValueError):
@@ -55,10 +56,11 @@ def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     return scale.view(torch.uint8)
 
 
-def e8m0_to_float(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
-    """2**(byte - 127) as fp32. The byte 0xFF encodes NaN, which no valid checkpoint holds."""
+def e8m0_to_float(scale: torch.Tensor, name: str = "scale", validate: bool = True) -> torch.Tensor:
+    """2**(byte - 127) as fp32. The byte 0xFF encodes NaN, which no valid checkpoint holds;
+    `validate=False` skips that check (a host sync) for scales the loader already checked."""
     raw = e8m0_bytes(scale)
-    if bool((raw == 0xFF).any()):
+    if validate and bool((raw == 0xFF).any()):
         raise FormatError(f"{name}: E8M0 scale byte 0xFF (NaN) is not a valid scale")
     return torch.exp2(raw.to(torch.float32) - 127.0)
 
@@ -67,14 +69,14 @@ def e8m0_to_float(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
 # checkpoint weights
 
 
-def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int, name: str = "weight") -> torch.Tensor:
+def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int, name: str = "weight", validate: bool = True) -> torch.Tensor:
     """FP8 e4m3 [rows, cols] times one E8M0 scale per `block` x `block` tile (edge tiles may be
     partial). `block` comes from the config's `weight_block_size`, never from the scale shape."""
     rows, cols = weight.shape
     grid = (-(-rows // block), -(-cols // block))
     if tuple(scale.shape) != grid:
         raise FormatError(f"{name}.scale: expected shape {list(grid)} for {list(weight.shape)} with block {block}, got {list(scale.shape)}")
-    s = e8m0_to_float(scale, f"{name}.scale")
+    s = e8m0_to_float(scale, f"{name}.scale", validate)
     s = s.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
     return weight.to(torch.float32) * s
 
@@ -103,13 +105,13 @@ def dequant_fp4_expert(packed: torch.Tensor, scale: torch.Tensor, name: str = "w
     return values * e8m0_to_float(scale, f"{name}.scale").repeat_interleave(32, dim=1)
 
 
-def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: int = 32, name: str = "weight") -> torch.Tensor:
+def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: int = 32, name: str = "weight", validate: bool = True) -> torch.Tensor:
     """FP8 e4m3 [rows, dim] times an E8M0 scale per `block` channels of a row: engram table rows,
     and routed experts converted exactly from FP4 (their scales are per 32 inputs)."""
     rows, dim = weight.shape
     if tuple(scale.shape) != (rows, dim // block) or dim % block:
         raise FormatError(f"{name}.scale: expected shape {[rows, dim // block]}, got {list(scale.shape)}")
-    s = e8m0_to_float(scale, f"{name}.scale").repeat_interleave(block, dim=-1)
+    s = e8m0_to_float(scale, f"{name}.scale", validate).repeat_interleave(block, dim=-1)
     return weight.to(torch.float32) * s
 
 
@@ -136,12 +138,20 @@ def pow2_ceil_exponent(t: torch.Tensor) -> torch.Tensor:
     return exponent - 127 + (mantissa != 0).to(torch.int32)
 
 
+def _e2m1_thresholds(device: torch.device) -> torch.Tensor:
+    """The magnitudes from which each next e2m1 code is reached (kept per device: a CUDA
+    graph may not upload constants while it captures)."""
+    t = _E2M1_THRESHOLDS.get(device)
+    if t is None:
+        boundaries = torch.tensor(_E2M1_BOUNDARIES, dtype=torch.float32)
+        t = torch.where(torch.tensor(_E2M1_TIE_GOES_UP), boundaries, torch.nextafter(boundaries, torch.full_like(boundaries, float("inf"))))
+        t = _E2M1_THRESHOLDS[device] = t.to(device)
+    return t
+
+
 def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even of fp32 values already clamped to [-6, 6] onto e2m1 codes."""
-    boundaries = torch.tensor(_E2M1_BOUNDARIES, dtype=torch.float32, device=q.device)
-    tie_up = torch.tensor(_E2M1_TIE_GOES_UP, device=q.device)
-    thresholds = torch.where(tie_up, boundaries, torch.nextafter(boundaries, torch.full_like(boundaries, float("inf"))))
-    codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1).to(torch.uint8)
+    codes = (q.abs().unsqueeze(-1) >= _e2m1_thresholds(q.device)).sum(-1).to(torch.uint8)
     return codes | (torch.signbit(q).to(torch.uint8) << 3)
 
 
@@ -175,7 +185,8 @@ def quantize_fp4(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.T
     blocks = x.float().unflatten(-1, (n // block, block))
     amax = blocks.abs().amax(-1)
     if e4m3_scale:
-        stored = (amax.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn)
+        # saturate explicitly: torch's cast to e4m3 saturates from 2.12 on, gives NaN before
+        stored = (amax.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).clamp_max(FP8_MAX).to(torch.float8_e4m3fn)
         scale = stored.float()
     else:
         exp = pow2_ceil_exponent(amax.clamp_min(FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))

@@ -9,6 +9,11 @@ from dsv4.model import quant
 # BLAS picks different kernels (with different rounding) for matrices of only a few rows;
 # from this many rows on, every row's result is the same whatever the row count.
 MIN_GEMM_ROWS = 16
+# From this many rows a projection is compute bound: its FP8 weight is dequantised to bf16
+# (exact, and a few % of the product's time) for cuBLAS's tensor-core GEMM, which runs at
+# 2-3x the weight-only kernel's rate there (docs/PERF.md). Below, the weight-only kernel reads
+# one byte per weight.
+DENSE_GEMM_ROWS = 1024
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -36,15 +41,19 @@ class Linear:
         return self.weight.shape[0]
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` (dequantised exactly; the loader validated the scales, so no
+        check and no host synchronisation here)."""
         if self.scale is None:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
         if self.row_scales:
-            return quant.dequant_fp8_rows(self.weight, self.scale, 32).to(dtype)
-        return quant.dequant_fp8_block(self.weight, self.scale, self.block).to(dtype)
+            return quant.dequant_fp8_rows(self.weight, self.scale, 32, validate=False).to(dtype)
+        return quant.dequant_fp8_block(self.weight, self.scale, self.block, validate=False).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is not None and not self.row_scales and x.is_cuda and x.dtype == torch.bfloat16:
-            # Hopper: the weight stays FP8; the weight-only kernel is batch invariant
+            if x.numel() >= DENSE_GEMM_ROWS * x.shape[-1]:
+                return F.linear(x, self.dense(x.dtype))
+            # Hopper, few rows: the weight stays FP8 (the weight-only kernel)
             from dsv4.ops.triton import fp8_linear_w8a16
 
             return fp8_linear_w8a16(x, self.weight, self.scale, self.block)

@@ -43,11 +43,18 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tenso
     activation dtype. Returns fp32 (V4.1) or x.dtype (V4)."""
     dtype = x.dtype
     out = torch.zeros(x.shape, dtype=torch.float32 if weight_before_down else dtype, device=x.device)
-    counts = torch.bincount(indices.flatten(), minlength=len(w1)).tolist()
+    # (token, slot) pairs grouped by expert with one stable sort (tokens ascending inside an
+    # expert) and one host read of the counts, rather than a scan and a read per expert
+    flat = indices.flatten()
+    pairs = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(w1)).tolist()
+    first = 0
     for e, count in enumerate(counts):
         if count == 0:
             continue
-        token, slot = torch.where(indices == e)
+        pair = pairs[first : first + count]
+        first += count
+        token, slot = pair // indices.shape[1], pair % indices.shape[1]
         xe = x[token]
         act = swiglu(w1[e](xe), w3[e](xe), limit)
         w = weights[token, slot, None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.config import ModelConfig, yarn_ramp_bounds
+from dsv4.ops import on_triton
 
 
 def inv_freq(cfg: ModelConfig, kind: str) -> torch.Tensor:
@@ -44,6 +45,10 @@ class RopeTables:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate adjacent channel pairs of the last 2*cos.shape[-1] channels. x: [T, ..., d];
     cos/sin: [T, rd/2] (broadcast over the middle axes). `inverse` undoes the rotation."""
+    if on_triton(x) and x.dtype == torch.bfloat16 and x.dim() >= 2:  # one Triton kernel instead of ~10 launches
+        from dsv4.ops.triton.rowwise import apply_rope as kernel
+
+        return kernel(x, cos, sin, inverse)
     rd = cos.shape[-1] * 2
     while cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)

@@ -1,6 +1,6 @@
 """Triton kernels against their torch references on random non-zero inputs, at small shapes.
 
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before the
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py before the
 kernels are imported); with CUDA they are compiled for the GPU. The real shapes and timings are
 checked on the H200 by scripts/check_kernels.py.
 """
@@ -17,61 +17,15 @@ import torch
 
 from dsv4.cache.storage import QTensor
 from dsv4.model import quant
+from dsv4.ops import attention as attention_ops
 from dsv4.ops import kv as kvops
 from dsv4.ops import moe as moe_ref
 from dsv4.ops.linear import Linear
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/ops/conftest.py set TRITON_INTERPRET=1
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton) — kernel tests skipped")
-
-
-def _patch_interpreter() -> None:
-    """Work around three defects of Triton 3.6's interpreter so that it computes what the GPU
-    computes: (1) scalars are 1-element arrays and `int()` of them fails with numpy 2.4 (here)
-    (loop bounds derived from program ids); (2) `tl.dot` of bf16 operands multiplies their raw
-    uint16 bit patterns; (3) fp32 -> bf16 casts truncate instead of rounding to nearest even."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
-
-    if getattr(interp, "_dsv4_patched", False):
-        return
-    patch_tensor = interp._patch_lang_tensor
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def as_fp32(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    create_dot = interp.InterpreterBuilder.create_dot
-
-    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
-
-    cast_impl = interp.InterpreterBuilder.cast_impl
-
-    def patched_cast(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            return interp.TensorHandle(rounded, tl.bfloat16)
-        return cast_impl(self, src, dst_type)
-
-    interp._patch_lang_tensor = patched_tensor
-    interp.InterpreterBuilder.create_dot = patched_dot
-    interp.InterpreterBuilder.cast_impl = patched_cast
-    interp._dsv4_patched = True
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter()
+tl = pytest.importorskip("triton.language")
 
 from dsv4.ops.triton import attention as tattn
 from dsv4.ops.triton import fp8_gemm, moe
@@ -96,6 +50,57 @@ def _fp8_weight(n: int, k: int, block: int, g: torch.Generator):
     return w, s
 
 
+# ----------------------------------------------------------------------------------- guards
+
+GUARD = 4096  # elements of poison on each side of a guarded tensor
+
+
+def _poison(dtype: torch.dtype):
+    """A value no kernel writes and that shows when read: NaN for floats (255 for scale bytes,
+    an infinite scale), the largest value for index types (past every pair and expert)."""
+    if dtype.is_floating_point:
+        return float("nan")
+    return 255 if dtype == torch.uint8 else torch.iinfo(dtype).max
+
+
+def _guarded(t: torch.Tensor, fill) -> torch.Tensor:
+    """A contiguous copy of t on DEVICE in the middle of a buffer GUARD elements larger on each
+    side, filled with `fill`: whatever a kernel reads past t is `fill`."""
+    buf = torch.full((t.numel() + 2 * GUARD,), fill, dtype=t.dtype, device=DEVICE)
+    inner = buf[GUARD : GUARD + t.numel()].view(t.shape)
+    inner.copy_(t)
+    return inner
+
+
+class _PoisonedTorch:
+    """torch for a kernel module (monkeypatched in as its `torch`), except that `empty` hands out
+    tensors filled with `_poison` in the middle of poison guards, kept for `check_guards`."""
+
+    def __init__(self):
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inner view, whole buffer)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *size, dtype=None, device=None):
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        dtype = dtype or torch.get_default_dtype()
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = torch.full((numel + 2 * GUARD,), _poison(dtype), dtype=dtype, device=device)
+        inner = buf[GUARD : GUARD + numel].view(shape)
+        self.buffers.append((inner, buf))
+        return inner
+
+    def check_guards(self) -> None:
+        """Every guard still holds its poison (no kernel wrote past a buffer)."""
+        for inner, buf in self.buffers:
+            fill = torch.full((GUARD,), _poison(buf.dtype), dtype=buf.dtype, device=buf.device)
+            for guard in (buf[:GUARD], buf[GUARD + inner.numel() :]):
+                assert guard.view(torch.uint8).equal(fill.view(torch.uint8)), f"write past a {buf.dtype} buffer of shape {list(inner.shape)}"
+
+
 # ----------------------------------------------------------------------------------- fp8 GEMM
 
 
@@ -103,10 +108,11 @@ def _fp8_weight(n: int, k: int, block: int, g: torch.Generator):
     "m,n,k,block",
     [
         (1, 70, 100, 32),  # decode row, partial N and K tiles
-        (20, 64, 96, 32),  # BLOCK_M 32, partial M
-        (5, 50, 300, 128),  # V4 block
-        (40, 64, 640, 32),  # split-K
-        (70, 130, 64, 16),  # BLOCK_M 64, BLOCK_N 128, block 16
+        (20, 64, 96, 32),  # row tile 32, partial M, K step past K
+        (5, 50, 300, 128),  # V4 block: one scale per 128-wide step
+        (40, 64, 640, 32),  # row tile 64, split-K over two chunks
+        (70, 130, 64, 16),  # row tile 128, block 16 (pieces of 16 inputs)
+        (130, 40, 384, 128),  # two row tiles of 128, block wider than the K step
     ],
 )
 def test_fp8_linear_w8a16_matches_dequant_reference(m, n, k, block):
@@ -120,6 +126,42 @@ def test_fp8_linear_w8a16_matches_dequant_reference(m, n, k, block):
     # the model's reference (bf16 weights, bf16 matmul) agrees within bf16 rounding
     lin = Linear(w, s, block)(x)
     assert _rel_err(y, lin) <= 2 * BF16_REL
+
+
+@triton.jit
+def _dequant_codes_kernel(w_ptr, s_ptr, out_ptr, PTX: tl.constexpr):
+    """Every e4m3 code (columns) under 8 scale bytes (rows) through `fp8_gemm.dequant_rows`."""
+    rows = tl.arange(0, 8)[:, None]
+    cols = tl.arange(0, 256)[None, :]
+    w = tl.load(w_ptr + cols + 0 * rows)
+    tl.store(out_ptr + rows * 256 + cols, fp8_gemm.dequant_rows(w, tl.load(s_ptr + tl.arange(0, 8)), PTX))
+
+
+def test_dequant_rows_exact_for_every_code():
+    """The in-register dequantisation gives fp8 x 2**(s - 127) exactly for all 256 codes
+    (subnormals, zeros, both signs; NaN codes excepted) and small to large scale bytes (all
+    products normal bf16s, as real block scales give)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.tensor([20, 60, 112, 120, 127, 131, 200, 240], dtype=torch.uint8)
+    out = torch.empty(8, 256, dtype=torch.bfloat16, device=DEVICE)
+    _dequant_codes_kernel[(1,)](codes.to(DEVICE), scales.to(DEVICE), out, PTX=fp8_gemm.ptx_convert(out.device))
+    ref = (codes.float()[None, :] * torch.exp2(scales.float() - 127)[:, None]).bfloat16()
+    finite = ~codes.float().isnan()
+    assert torch.equal(out.cpu()[:, finite].view(torch.int16), ref[:, finite].view(torch.int16))
+
+
+def test_w8a16_chunks_from_weight_shape(monkeypatch):
+    """Chunks come from (N, K, block) and the SM count only, align to every K step, and a
+    per-shape override wins."""
+    monkeypatch.setattr(fp8_gemm, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    for n, k in ((512, 5120), (5120, 8192), (32768, 1280), (1280, 5120)):
+        chunk = fp8_gemm.w8a16_chunk_k(n, k, 32, cpu)
+        assert chunk == k or (chunk % fp8_gemm.CHUNK_ALIGN == 0 and chunk >= fp8_gemm.W8A16["MIN_CHUNK_K"])
+    assert fp8_gemm.w8a16_chunk_k(32768, 1280, 32, cpu) == 1280  # 256 tiles fill the SMs unsplit
+    assert -(-8192 // fp8_gemm.w8a16_chunk_k(5120, 8192, 32, cpu)) > 1
+    monkeypatch.setitem(fp8_gemm.W8A16, "CHUNKS", {(5120, 8192, 32): 4})
+    assert fp8_gemm.w8a16_chunk_k(5120, 8192, 32, cpu) == 2048
 
 
 @pytest.mark.parametrize("m,n,k,block", [(3, 70, 100, 32), (33, 64, 256, 128), (17, 96, 640, 32)])
@@ -166,16 +208,80 @@ def test_fp8_linear_dispatch_and_leading_dims(monkeypatch):
 
 
 def test_fp8_linear_w8a16_rows_do_not_depend_on_batch(monkeypatch):
-    """Single rows (split-K over chunks) and a 200-row batch (chunks in one program, row tile
-    64) give the same bits."""
+    """A row alone (split-K: one program per chunk, the last one adds the partials) and in
+    batches of every row class (one program over all chunks) has the same bits; the tickets
+    are back at zero after each split call (what CUDA-graph replays rely on)."""
     monkeypatch.setattr(fp8_gemm, "num_sms", lambda device: 4)
     g = _gen(9)
     x = torch.randn(200, 640, generator=g).bfloat16().to(DEVICE)
     w, s = (a.to(DEVICE) for a in _fp8_weight(64, 640, 32, g))
-    assert fp8_gemm.w8a16_chunks(64, 640, 32, x.device)[1] > 1
-    batch = fp8_gemm.fp8_linear_w8a16(x, w, s, 32)
-    for i in (0, 17, 199):
-        assert torch.equal(fp8_gemm.fp8_linear_w8a16(x[i : i + 1], w, s, 32)[0], batch[i])
+    assert -(-640 // fp8_gemm.w8a16_chunk_k(64, 640, 32, x.device)) > 1
+    alone = {i: fp8_gemm.fp8_linear_w8a16(x[i : i + 1], w, s, 32)[0] for i in (0, 17, 199)}
+    assert not fp8_gemm._COUNTERS[x.device].any()
+    monkeypatch.setitem(fp8_gemm.W8A16, "SPLIT_TILES_PER_SM", 0.0)  # batches never split
+    for m in (20, 50, 200):  # row tiles 32, 64, 128
+        batch = fp8_gemm.fp8_linear_w8a16(x[-m:], w, s, 32)
+        for i, row in alone.items():
+            if i >= 200 - m:
+                assert torch.equal(row, batch[i - (200 - m)])
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_fp8_linear_w8a16_bits_do_not_depend_on_tiles(monkeypatch, block):
+    """Row tile, weight tile, K step, grouping and pipeline depth leave the bits alone (the
+    K chunks, fixed by the weight's shape, are the only part of the numerics)."""
+    monkeypatch.setattr(fp8_gemm, "num_sms", lambda device: 4)
+    g = _gen(10 + block)
+    x = torch.randn(40, 512, generator=g).bfloat16().to(DEVICE)
+    w, s = (a.to(DEVICE) for a in _fp8_weight(96, 512, block, g))
+    monkeypatch.setitem(fp8_gemm.W8A16, "CHUNKS", {(96, 512, block): 2})  # else sized by the first class's BLOCK_N
+    base = fp8_gemm.fp8_linear_w8a16(x, w, s, block)
+    tilings = [
+        {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_T": 1, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_T": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_T": 2, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 8, "num_stages": 4},
+        {"BLOCK_T": 256, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_T": 1, "num_warps": 4, "num_stages": 2},
+    ]
+    for split in (1.0, 0.0):
+        for cfg in tilings:
+            monkeypatch.setitem(fp8_gemm.W8A16, "rows", ((None, cfg),))
+            monkeypatch.setitem(fp8_gemm.W8A16, "SPLIT_TILES_PER_SM", split)
+            assert torch.equal(fp8_gemm.fp8_linear_w8a16(x, w, s, block), base), (cfg, split)
+
+
+def test_w8a16_tiles_must_be_whole_wgmma(monkeypatch):
+    """Tiles that would not compile to whole-warp-group wgmma (weight rows below 64 per warp
+    group, token rows not a multiple of 16) are refused: Triton would run them on mma.sync,
+    whose bits differ, and a row's result would then depend on its row class."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    w, s = (a.to(DEVICE) for a in _fp8_weight(64, 64, 32, _gen(1)))
+    for bn, bt, warps in ((32, 16, 4), (64, 16, 8), (64, 24, 4), (128, 512, 4)):
+        cfg = {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_T": 1, "num_warps": warps, "num_stages": 2}
+        monkeypatch.setitem(fp8_gemm.W8A16, "rows", ((None, cfg),))
+        with pytest.raises(ValueError, match="wgmma|multiple of 16"):
+            fp8_gemm.fp8_linear_w8a16(x, w, s, 32)
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 200, 640, 1.0), (17, 200, 640, 1.0), (64, 130, 608, 1.0), (33, 130, 608, 0.0)])
+def test_fp8_linear_w8a16_stays_in_bounds(monkeypatch, m, n, k, split):
+    """Exactly sized inputs inside NaN guards and the wrapper's own buffers (output, split-K
+    partials) poisoned: a read past any tensor or of an unwritten partial turns the result
+    NaN, a write past one changes its guard (accesses just past a tensor fault neither in the
+    interpreter nor, mostly, on the GPU)."""
+    monkeypatch.setattr(fp8_gemm, "num_sms", lambda device: 8)
+    monkeypatch.setitem(fp8_gemm.W8A16, "SPLIT_TILES_PER_SM", split)
+    poisoned = _PoisonedTorch()
+    monkeypatch.setattr(fp8_gemm, "torch", poisoned)
+    g = _gen(m + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w, s = _fp8_weight(n, k, 32, g)
+    ref = x.double() @ quant.dequant_fp8_block(w, s, 32).double().T
+    y = fp8_gemm.fp8_linear_w8a16(_guarded(x, float("nan")), _guarded(w, float("nan")), _guarded(s, 255), 32)
+    chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, 32, y.device))
+    out, part = (inner for inner, _ in poisoned.buffers)
+    assert chunks > 1 and out.data_ptr() == y.data_ptr() and (part.numel() > 0) == bool(split)
+    poisoned.check_guards()
+    assert not y.isnan().any() and _rel_err(y, ref) <= BF16_REL * 1.01
 
 
 # ----------------------------------------------------------------------------------- MoE
@@ -194,7 +300,7 @@ def _dequant_rows(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("weight_before_down", [True, False])
-@pytest.mark.parametrize("t,top_k,n_exp", [(5, 3, 8), (40, 2, 4)])
+@pytest.mark.parametrize("t,top_k,n_exp", [(5, 3, 8), (40, 2, 4), (60, 2, 2)])  # row tiles 16, 64, 128
 def test_moe_experts_matches_reference(weight_before_down, t, top_k, n_exp):
     d, inter, limit = 64, 96, 10.0
     g = _gen(t * 10 + top_k)
@@ -217,31 +323,153 @@ def test_moe_experts_matches_reference(weight_before_down, t, top_k, n_exp):
         assert (y.cpu() - ref).abs().max() <= 3 * BF16_REL * ref.abs().max()
 
 
-def test_moe_experts_rows_do_not_depend_on_batch():
-    """A token alone (row tile 16) and in a 40-token batch (row tile 64) gives the same bits."""
+MOE_TILINGS = [  # (BLOCK_T, gate_up (BLOCK_N, BLOCK_K), down (BLOCK_N, BLOCK_K)), whole-wgmma tiles at 4 warps
+    (16, (64, 32), (64, 64)),
+    (32, (64, 64), (128, 32)),
+    (128, (128, 128), (64, 128)),
+]
+
+
+def test_moe_experts_rows_do_not_depend_on_batch(monkeypatch):
+    """A token alone and in a 40-token batch, under every tiling and both layout builders
+    (the one-program counting sort and torch's sort), has the same bits."""
     d, inter, n_exp = 64, 64, 4
     g = _gen(21)
     x = torch.randn(40, d, generator=g).bfloat16()
     w13, s13, w2, s2 = _experts(n_exp, d, inter, g)
     weights, ids = moe_ref.route(moe_ref.sqrtsoftplus(torch.randn(40, n_exp, generator=g)), torch.zeros(n_exp), 2, None, 1.5, True)
     dev = [a.to(DEVICE) for a in (x, ids, weights, w13, s13, w2, s2)]
-    assert moe._row_tile(80, n_exp) != moe._row_tile(2, n_exp)
+    assert moe.moe_config(80, n_exp) is not moe.moe_config(2, n_exp)
     batch = moe.moe_experts(*dev, 10.0, True)
-    for i in (0, 39):
-        alone = moe.moe_experts(dev[0][i : i + 1], dev[1][i : i + 1], dev[2][i : i + 1], *dev[3:], 10.0, True)
-        assert torch.equal(alone[0], batch[i])
+    alone = {i: moe.moe_experts(dev[0][i : i + 1], dev[1][i : i + 1], dev[2][i : i + 1], *dev[3:], 10.0, True)[0] for i in (0, 39)}
+    for i, row in alone.items():
+        assert torch.equal(row, batch[i])
+    for bt, (gn, gk), (dn, dk) in MOE_TILINGS:
+        cfg = {"BLOCK_T": bt, "gate_up": {"BLOCK_N": gn, "BLOCK_K": gk, "num_warps": 4, "num_stages": 2}, "down": {"BLOCK_N": dn, "BLOCK_K": dk, "num_warps": 4, "num_stages": 3}}
+        monkeypatch.setitem(moe.MOE, "rows", ((None, cfg),))
+        for max_pairs in (4096, 0):
+            monkeypatch.setitem(moe.MOE, "ALIGN_MAX_PAIRS", max_pairs)
+            assert torch.equal(moe.moe_experts(*dev, 10.0, True), batch), (bt, max_pairs)
 
 
-def test_align_by_expert_layout():
-    ids = torch.tensor([3, 0, 3, 3, 1, 0])
-    rows, tile_expert = moe.align_by_expert(ids, 5, 4)
-    tiles = rows.view(-1, 4)
-    used = tile_expert < 5
-    assert tile_expert[used].tolist() == [0, 1, 3]
-    for tile, e in zip(tiles[used], tile_expert[used]):
+def test_moe_slot_sum_orders_slots_by_expert():
+    """The slots of a token are added in ascending expert id whatever their order in topk_ids
+    (ties, as hash routing may give, in slot order): permuting a token's slots keeps the bits."""
+    d, inter, n_exp, k = 64, 64, 8, 4
+    g = _gen(23)
+    x = torch.randn(6, d, generator=g).bfloat16()
+    w13, s13, w2, s2 = _experts(n_exp, d, inter, g)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(6)])
+    ids[5] = torch.tensor([2, 6, 2, 1])  # a repeated expert
+    weights = torch.rand(6, k, generator=g)
+    weights[5, 2] = weights[5, 0]  # the repeated expert with the same weight: any tie order gives the same bits
+    y = moe.moe_experts(*(a.to(DEVICE) for a in (x, ids, weights, w13, s13, w2, s2)), 10.0, True)
+    perm = torch.stack([torch.randperm(k, generator=g) for _ in range(6)])
+    yp = moe.moe_experts(*(a.to(DEVICE) for a in (x, ids.gather(1, perm), weights.gather(1, perm), w13, s13, w2, s2)), 10.0, True)
+    assert torch.equal(y, yp)
+
+
+class _Experts:
+    """`experts_forward`'s per-expert Linears of stacked FP8 experts, dequantised (exactly, to
+    bf16) only for the experts a routing uses."""
+
+    def __init__(self, w: torch.Tensor, s: torch.Tensor, rows: slice):
+        self.w, self.s, self.rows = w, s, rows
+
+    def __len__(self) -> int:
+        return self.w.shape[0]
+
+    def __getitem__(self, e: int) -> Linear:
+        return Linear(_dequant_rows(self.w[e, self.rows].cpu(), self.s[e, self.rows].cpu()))
+
+
+def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit: float) -> torch.Tensor:
+    inter = w2.shape[2]
+    w1, w3 = _Experts(w13, s13, slice(0, inter)), _Experts(w13, s13, slice(inter, 2 * inter))
+    return moe_ref.experts_forward(x, weights, ids, w1, _Experts(w2, s2, slice(None)), w3, limit, True).float()
+
+
+@pytest.mark.parametrize("t,max_pairs", [(1, 4096), (8, 0), (64, 4096)])  # 0: torch's layout builder
+def test_moe_experts_384_experts_stay_in_bounds(monkeypatch, t, max_pairs):
+    """V4.1's 384 experts (the layout kernel's 512-wide expert block; the device's first run
+    failed there) at small D / I: exactly sized inputs inside NaN guards (ids: expert 0) and
+    the wrapper's own buffers (layout, activations, expert rows, output) poisoned, so that a
+    read past any tensor or of an unwritten row turns the result NaN or moves it off the
+    reference, and a write past a buffer changes its guard."""
+    n_exp, d, inter, k = 384, 64, 96, 6
+    monkeypatch.setitem(moe.MOE, "ALIGN_MAX_PAIRS", max_pairs)
+    poisoned = _PoisonedTorch()
+    monkeypatch.setattr(moe, "torch", poisoned)
+    g = _gen(t + max_pairs)
+    x = (torch.randn(t, d, generator=g) * 2).bfloat16()
+    w13, s13, w2, s2 = _experts(n_exp, d, inter, g)
+    weights, ids = moe_ref.route(moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g)), torch.zeros(n_exp), k, None, 1.5, True)
+    ref = _moe_reference(x, ids, weights, w13, s13, w2, s2, 10.0)
+    args = [_guarded(a, 0 if a is ids else _poison(a.dtype)) for a in (x, ids, weights, w13, s13, w2, s2)]
+    y = moe.moe_experts(*args, 10.0, True)
+    poisoned.check_guards()
+    assert len(poisoned.buffers) == 5  # rows, tile_expert, act, y, out
+    assert not y.isnan().any() and _rel_err(y, ref) <= 2 * BF16_REL
+
+
+def test_moe_experts_far_experts_use_64_bit_offsets():
+    """Expert e's weights start e * stride(0) elements in: at V4.1's shapes that passes 2**31
+    from expert 91 of w13 (182 of w2) on, where int32 offsets wrapped on the device (wrong
+    rows, then an illegal address; the interpreter faults or reads garbage). Here the experts
+    sit 6 MiB apart in one buffer that is never touched beyond the routed experts' rows (so it
+    costs no memory), and the routing picks experts on both sides of 2**31."""
+    n_exp, d, inter, stride = 384, 64, 64, 6 << 20
+    buf = torch.empty(n_exp * stride, dtype=torch.uint8, device=DEVICE)
+    w13 = buf.as_strided((n_exp, 2 * inter, d), (stride, d, 1)).view(torch.float8_e4m3fn)
+    w2 = buf.as_strided((n_exp, d, inter), (stride, inter, 1), 2 * inter * d).view(torch.float8_e4m3fn)
+    assert 91 * stride < 2**31 < 383 * stride
+    ids = torch.tensor([[383, 1, 200, 300], [91, 92, 383, 5]])
+    g = _gen(31)
+    for e in ids.unique().tolist():
+        w13[e] = torch.randn(2 * inter, d, generator=g).to(torch.float8_e4m3fn)
+        w2[e] = torch.randn(d, inter, generator=g).to(torch.float8_e4m3fn)
+    s13 = torch.randint(121, 126, (n_exp, 2 * inter, d // 32), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 123, (n_exp, d, inter // 32), generator=g, dtype=torch.uint8)
+    x = torch.randn(2, d, generator=g).bfloat16()
+    weights = torch.rand(2, 4, generator=g)
+    ref = _moe_reference(x, ids, weights, w13, s13.to(DEVICE), w2, s2.to(DEVICE), 10.0)
+    y = moe.moe_experts(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), w13, s13.to(DEVICE), w2, s2.to(DEVICE), 10.0, True)
+    assert _rel_err(y, ref) <= 2 * BF16_REL
+
+
+def test_moe_tiles_must_be_whole_wgmma(monkeypatch):
+    """As for fp8_linear_w8a16: tiles that would fall back to mma.sync are refused."""
+    w13, s13, w2, s2 = (a.to(DEVICE) for a in _experts(2, 64, 64, _gen(2)))
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)
+    for gate_n, t in ((32, 16), (64, 8)):
+        cfg = {"BLOCK_T": t, "gate_up": {"BLOCK_N": gate_n, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}, "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}}
+        monkeypatch.setitem(moe.MOE, "rows", ((None, cfg),))
+        with pytest.raises(ValueError, match="multiple of 16"):
+            moe.moe_experts(x, ids, torch.ones(2, 1, device=DEVICE), w13, s13, w2, s2, 10.0, True)
+
+
+@pytest.mark.parametrize("n_exp,block_m", [(5, 4), (384, 16)])
+def test_align_by_expert_layout(monkeypatch, n_exp, block_m):
+    """Both layout builders give the same layout: every used tile holds pairs of its expert
+    only, in pair order, every pair exactly once, padding marked n_pairs, unused tiles n_exp."""
+    ids = torch.tensor([3, 0, 3, 3, 1, 0]) if n_exp == 5 else torch.randint(0, n_exp, (300,), generator=_gen(4))
+    layouts = []
+    for max_pairs in (4096, 0):
+        monkeypatch.setitem(moe.MOE, "ALIGN_MAX_PAIRS", max_pairs)
+        rows, tile_expert = (a.cpu() for a in moe.align_by_expert(ids.to(DEVICE), n_exp, block_m))
+        assert rows.dtype == tile_expert.dtype == torch.int32
+        layouts.append((rows, tile_expert))
+    assert torch.equal(layouts[0][0], layouts[1][0]) and torch.equal(layouts[0][1], layouts[1][1])
+    rows, tile_expert = layouts[0]
+    used = tile_expert < n_exp
+    assert tile_expert[used].tolist() == sorted(set(ids.tolist()))
+    assert (tile_expert[~used] == n_exp).all() and not used[used.sum():].any()
+    for tile, e in zip(rows.view(-1, block_m)[used], tile_expert[used]):
         real = tile[tile < ids.numel()]
-        assert (ids[real] == e).all()
-    assert sorted(rows[rows < ids.numel()].tolist()) == list(range(6))
+        assert (ids[real.long()] == e).all() and (real.diff() > 0).all()
+    assert sorted(rows[rows < ids.numel()].tolist()) == list(range(ids.numel()))
+    assert (rows[rows >= ids.numel()] == ids.numel()).all()
 
 
 # ----------------------------------------------------------------------------------- attention
@@ -327,19 +555,26 @@ def _naive_attention(args, ring, ckv, per_block):
 
 ATTN_CASES = {
     # prefill from 0, chunked prefill continuing over the ring, decode with a replay floor;
-    # partial head block; one key tile per chunk
+    # partial head block
     "mixed": {"heads": 20, "dim": 64, "window": 16, "per_block": 8, "n_top": 20, "requests": [(0, 6, 0), (21, 5, 0), (40, 1, 30)]},
-    # one decode token with a long top-k, default chunks (window and top-k share one)
-    "decode": {"heads": 16, "dim": 64, "window": 32, "per_block": 16, "n_top": 100, "requests": [(150, 1, 0)]},
+    # one decode token with a long top-k, 128 channels (4 PV channel slices possible)
+    "decode": {"heads": 16, "dim": 128, "window": 32, "per_block": 16, "n_top": 100, "requests": [(150, 1, 0)]},
+    # a window-only layer (no compressed entries): prefill, then a decode token with a floor
+    "window_only": {"heads": 8, "dim": 64, "window": 16, "per_block": 8, "n_top": 0, "requests": [(0, 5, 0), (30, 1, 20)]},
 }
-CHUNK_TILES = {"mixed": 1, "decode": tattn.CONFIG["CHUNK_TILES"]}
+# the default tiling (one logits tile covers a window) and 16-key tiles (several statistics
+# tiles per key list, the window over several tiles, 16-pair operand pieces)
+ATTN_TILINGS = {"default": {}, "small": {"LOGIT_BLOCK_N": 16, "PV_BLOCK_N": 16, "PIECE": 16}}
+# how the work is spread over programs, which must not change a bit: logits tiles per program
+# and PV channel slices per token
+ATTN_SPREADS = [{"TILES_PER_PROGRAM": 1, "DSPLIT": 1}, {"TILES_PER_PROGRAM": 2, "DSPLIT": 2}, {"TILES_PER_PROGRAM": 64, "DSPLIT": 4}]
 
 
 @pytest.mark.parametrize("case", ATTN_CASES)
 def test_sparse_attention_reference_matches_definition(case):
     spec = ATTN_CASES[case]
     args, ring, ckv = _attention_case(_gen(11), **spec)
-    ref = tattn.sparse_attention_reference(**args)
+    ref = attention_ops.sparse_attention_reference(**args)
     naive = _naive_attention(args, ring, ckv, spec["per_block"])
     assert _rel_err(ref, naive) <= 2 * BF16_REL
 
@@ -352,22 +587,40 @@ def _token_alone(args: dict, t: int) -> dict:
     return dict(args, **picked, row_start=args["row_start"] - t)
 
 
+@pytest.mark.parametrize("tiling", ATTN_TILINGS)
 @pytest.mark.parametrize("case", ATTN_CASES)
-def test_sparse_attention_matches_reference(case, monkeypatch):
+def test_sparse_attention_matches_reference(case, tiling):
     spec = ATTN_CASES[case]
     args, _, _ = _attention_case(_gen(11), **spec)
-    ref = tattn.sparse_attention_reference(**args)
+    ref = attention_ops.sparse_attention_reference(**args)
     dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    for policy in ("never", "always"):  # one program per token and head block / per chunk too
-        monkeypatch.setattr(tattn, "CONFIG", dict(tattn.CONFIG, CHUNK_TILES=CHUNK_TILES[case], SPLIT=policy))
-        y = tattn.sparse_attention(**dev)
-        assert y.dtype == torch.bfloat16 and y.shape == ref.shape
-        assert torch.isfinite(y.float()).all()
-        # probabilities are rounded to bf16 unnormalised (online softmax) vs normalised (reference)
-        assert (y.float().cpu() - ref.float()).abs().max() <= 4 * BF16_REL * ref.float().abs().max()
-        # either fixed policy is batch-invariant: the last token alone has its bits in the batch
-        last = y.shape[0] - 1
-        assert torch.equal(tattn.sparse_attention(**_token_alone(dev, last))[0], y[last])
+    cfg = ATTN_TILINGS[tiling]
+    y = tattn.sparse_attention(**dev, config=cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    assert torch.isfinite(y.float()).all()
+    # probabilities are rounded to bf16 unnormalised (times 1 / denominator in fp32 at the end)
+    # vs normalised (reference)
+    assert (y.float().cpu() - ref.float()).abs().max() <= 4 * BF16_REL * ref.float().abs().max()
+    for spread in ATTN_SPREADS:
+        assert torch.equal(tattn.sparse_attention(**dev, config={**cfg, **spread}), y), spread
+    # batch invariance under the default "auto" spread: the last token alone (spread over more
+    # programs) has the bits it has in the batch
+    last = y.shape[0] - 1
+    assert torch.equal(tattn.sparse_attention(**_token_alone(dev, last), config=cfg)[0], y[last])
+
+
+def test_sparse_attention_launch_plan():
+    """ "auto" spreads few tokens over more programs (never past the tile count or the channel
+    slices a head dimension allows) and leaves large batches at one program per token."""
+    cfg = tattn.CONFIG
+    cpu = torch.device("cpu")  # 4 SMs stand in for the interpreter
+    one = tattn.launch_plan(1, 64, 512, 128, 512, cpu, cfg)  # 5 logits tiles in runs of 2
+    assert one["n_tiles"] == 5 and one["tiles_per_program"] == 2 and one["logit_programs"] == 3 and one["DSPLIT"] == 4
+    many = tattn.launch_plan(4096, 64, 512, 128, 512, cpu, cfg)
+    assert many["logit_programs"] == 1 and many["DSPLIT"] == 1
+    assert tattn.launch_plan(1, 64, 64, 16, 0, cpu, dict(cfg, DSPLIT=8))["DSPLIT"] == 4
+    with pytest.raises(ValueError, match="DSPLIT"):
+        tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, DSPLIT=3))
 
 
 # ----------------------------------------------------------------------------------- sm_90 build

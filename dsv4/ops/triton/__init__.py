@@ -7,14 +7,14 @@ checked against it: on CPU at small shapes with TRITON_INTERPRET=1
 * `moe_experts` (`moe`): routed experts as two grouped FP8-weight GEMMs with the clamped SwiGLU
   fused; reference `ops.moe.experts_forward`.
 * `sparse_attention` (`attention`): sparse MQA over the FP8 window ring and the FP4 paged
-  compressed KV with sinks; reference `attention.sparse_attention_reference`
+  compressed KV with sinks; reference `dsv4.ops.attention.sparse_attention_reference`
   (`Attention._attend`'s math).
 
 Importing this package needs `triton`; set TRITON_INTERPRET=1 before the import to run the
 kernels on CPU tensors.
 """
 
-from dsv4.ops.triton.attention import sparse_attention, sparse_attention_reference
+from dsv4.ops.triton.attention import sparse_attention
 from dsv4.ops.triton.fp8_gemm import (
     fp8_act_quant,
     fp8_linear,
@@ -30,5 +30,4 @@ __all__ = [
     "fp8_linear_w8a16",
     "moe_experts",
     "sparse_attention",
-    "sparse_attention_reference",
 ]

@@ -7,7 +7,7 @@ For every query token of a flat batch: one softmax over
   position % W), the step's own keys (positions >= p0) from `kv_new`, the bf16 keys this step
   computed (already FP8-rounded, as the model's QAT and the ring hold them). So the ring is
   written *after* attention, for decode and prefill alike, exactly like the reference
-  (`Attention._window_keys` / `_write_ring`), and one kernel serves chunked prefill, decode and
+  (`Attention._window_keys` / `_write_ring`), and one launch serves chunked prefill, decode and
   mixed batches without ordering constraints;
 * the selected compressed entries `topk` [T, k] (entry index j of the request's compressed
   sequence, -1 = none), found through the block table at block j // P, offset j % P
@@ -17,17 +17,34 @@ For every query token of a flat batch: one softmax over
 
 K = V (one shared 512-wide latent for all heads). Numerics follow `Attention._attend`: the
 logit is q.k rounded to bf16, times the softmax scale, rounded to bf16 again; the softmax is
-fp32 (computed online); probabilities go to bf16 before multiplying V. Output bf16 [T, H, D].
+fp32 with the sink in the denominator; probabilities exp(logit - max) go to bf16 before
+multiplying V (unnormalised; the fp32 output is divided by the denominator at the end).
+Output bf16 [T, H, D].
 
-Kernel layout: one program per (token, block of BLOCK_H heads[, chunk of the key list]); the
-key tile is dequantised once and used by all heads of the block (MQA: the heads are the rows of
-both tensor-core products). The key list is the window (padded to the key tile) followed by the
-top-k entries. Few-token batches can give each chunk of CHUNK_TILES key tiles its own program
-(flash-decoding) and merge the partial softmaxes, with the sink, in a second kernel.
-`CONFIG["SPLIT"]` decides: "auto" splits when the unsplit grid would leave SMs idle (fastest,
-but a token's bits then depend on its batch's size), "always" / "never" are batch-invariant
-(every token takes the same path). Only V4.1's cache formats (FP8 ring, FP4 compressed KV) are
-supported; V4's bf16 caches and all-visible HCA layers use the torch path.
+Two kernels, because the 64 x 512 fp32 output of a token's 64 heads (128 registers a thread
+at 8 warps) leaves too few registers for the logits and the key dequantisation in one loop:
+
+1. `_logits_kernel`, program (token, head block, run of tiles): for each tile of
+   LOGIT_BLOCK_N keys (the window, then the top-k entries) the logits S^T = K Q^T with the
+   keys as the rows of a 128-row wgmma, whose A operand comes from registers: the key tile is
+   dequantised piece by piece (PIECE channel pairs) straight into the operand, so it never
+   passes through shared memory, and Q sits in shared memory as the B operand. It stores the
+   rounded logits (bf16, -inf where masked) to a workspace [T, H, keys] and each tile's
+   softmax statistics (max, sum of exp) per head.
+2. `_pv_kernel`, program (token, head block, channel slice): merges the tiles' statistics in
+   tile order with the sink, then for each tile of PV_BLOCK_N keys p = exp(S - max) in bf16
+   (the A operand from registers) times the dequantised values of its DV output channels
+   (shared memory) into an fp32 accumulator.
+
+Neither kernel's arithmetic depends on how the work is spread: the statistics are per tile
+and merged in a fixed order, the logits per key, the output channels independently — so a
+token's bits do not depend on its batch (batch invariance) while the launch still fills the
+SMs at any batch size: "auto" gives few-token batches several logits programs per token and
+several channel slices (DSPLIT) per token. Channels are handled as (even, odd) halves:
+byte c of a compressed entry holds channels 2c and 2c + 1, a uint16 of the ring two e4m3
+codes, an int32 of kv_new / q two bf16 values, so every dequantisation is a plain load and
+nibble / byte / half extraction, never an interleave. Only V4.1's cache formats (FP8 ring, FP4
+compressed KV) are supported; V4's bf16 caches and all-visible HCA layers use the torch path.
 """
 
 from __future__ import annotations
@@ -36,162 +53,253 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.model import quant
 from dsv4.ops.triton.fp8_gemm import e8m0_to_fp32, num_sms
 
 # constexpr: the kernels read them (Python code uses .value)
 RING_SCALE_BLOCK = tl.constexpr(32)  # ue8m0 byte per 32 channels of a window key
 CKV_SCALE_BLOCK = tl.constexpr(16)  # E4M3 scale per 16 channels of a compressed entry
-# Heads per program, keys per tile, tiles per chunk (the unit of the split: 128 keys), split
-# policy (module docstring). Fixed rather than autotuned per batch size: the key tiling decides
-# the rounding. 16 x 16 with 8 warps is the largest tiling that compiles for sm_90 without
-# register spills (ptxas: 210-220 registers; 32 or 64 heads spill, as do 4 warps);
-# scripts/check_kernels.py times alternatives.
-CONFIG = {"BLOCK_H": 16, "BLOCK_N": 16, "CHUNK_TILES": 8, "SPLIT": "auto", "num_warps": 8, "num_stages": 2}
+# Tiling (module docstring). BLOCK_H heads per program (all 64 of a token: each key tile is
+# dequantised once per token and the heads are a 64-wide MMA dimension); LOGIT_BLOCK_N keys per
+# logits tile (the rows of S^T: 128 = one 64-row wgmma per warpgroup at 8 warps), which is also
+# the unit of the softmax statistics; PIECE channel pairs dequantised per operand piece;
+# PV_BLOCK_N keys per PV tile; DSPLIT output-channel slices per (token, head block) in the PV
+# kernel (1: all channels; 2: the even or the odd ones; 4, 8: those cut into 2, 4 ranges of
+# channel pairs); TILES_PER_PROGRAM logits tiles per program. "auto" picks the last two from
+# the batch size to fill the SMs. LOGIT_BLOCK_N, PIECE and PV_BLOCK_N decide the rounding (so
+# they are fixed, not tuned per batch); DSPLIT and TILES_PER_PROGRAM do not change a bit.
+# Registers and spills of every variant: scripts/check_kernels.py --compile-only; timings:
+# its `attention_sweep` section.
+CONFIG = {
+    "BLOCK_H": 64, "LOGIT_BLOCK_N": 128, "PIECE": 32, "logit_warps": 8, "logit_stages": 2, "TILES_PER_PROGRAM": "auto",
+    "PV_BLOCK_N": 32, "DSPLIT": "auto", "pv_warps": 8, "pv_stages": 2,
+}
+DSPLITS = (1, 2, 4, 8)
 
 
 @triton.jit
-def _fp4_values(code):
-    """e2m1 codes (low 4 bits) -> fp32: bit 3 sign, bits 1-2 exponent, bit 0 mantissa."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = c & 1
-    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-    return tl.where((c & 8) != 0, -mag, mag)
+def _e2m1_over_2e14(code):
+    """e2m1 codes (low 4 bits: sign, 2 exponent bits, 1 mantissa bit) -> value / 2**14 in fp32:
+    the magnitude bits become exponent and mantissa bits of an fp16 whose exponent is 14 short,
+    code 1 landing exactly on the subnormal 2**-15; the caller's scale carries the 2**14."""
+    bits = ((code & 0x07) << 9) | ((code & 0x08) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _attend_tile(q, k, valid, m_i, l_i, acc, sm_scale):
-    """Online-softmax update of [BLOCK_H] rows with one [BLOCK_N, D] key (= value) tile."""
-    s = tl.dot(q, tl.trans(k))
-    s = (s.to(tl.bfloat16).to(tl.float32) * sm_scale).to(tl.bfloat16).to(tl.float32)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
-    return m_new, l_i, acc
+def _fp8_code(byte):
+    return (byte & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
-    """Softmax state a followed by state b (max, sum, unnormalised output)."""
-    m = tl.maximum(m_a, m_b)
-    alpha = tl.exp(m_a - m)
-    beta = tl.exp(m_b - m)
-    return m, l_a * alpha + l_b * beta, acc_a * alpha[:, None] + acc_b * beta[:, None]
+def _fp4_scales(ckv_scale_ptr, loc, valid, g0, GROUPS: tl.constexpr, DIM: tl.constexpr):
+    """The E4M3 scales g0 .. g0 + GROUPS of the entries at cache rows loc as fp32 (0 where not
+    valid): one load of whole rows, which the software pipeline can prefetch."""
+    g = tl.arange(0, GROUPS)
+    scale = tl.load(ckv_scale_ptr + loc[:, None] * (DIM // CKV_SCALE_BLOCK) + g0 + g[None, :], mask=valid[:, None], other=0.0)
+    return scale.to(tl.float32)
 
 
 @triton.jit
-def _finish(m_i, l_i, acc, sink):
-    """Normalise with the sink logit in the denominator."""
-    m_f = tl.maximum(m_i, sink)
-    alpha = tl.exp(m_i - m_f)
-    return acc * (alpha / (l_i * alpha + tl.exp(sink - m_f)))[:, None]
+def _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par,
+               NP: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr):
+    """Channel pairs p0 .. p0 + NP of the compressed entries at cache rows loc, with their
+    scales [BLOCK_N, NP / 8], as bf16 [BLOCK_N, NP] (0 where not valid): (even, odd) channels
+    if BOTH, else channel 2p + par twice."""
+    BYTES: tl.constexpr = CKV_SCALE_BLOCK // 2
+    off = p0 + tl.arange(0, NP // BYTES)[None, :, None] * BYTES + tl.arange(0, BYTES)[None, None, :]
+    byte = tl.load(ckv_ptr + loc[:, None, None] * (DIM // 2) + off, mask=valid[:, None, None], other=0).to(tl.int32)
+    scale = scale[:, :, None] * 16384.0
+    if BOTH:
+        lo = tl.reshape(_e2m1_over_2e14(byte) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
+        hi = tl.reshape(_e2m1_over_2e14(byte >> 4) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
+        return lo, hi
+    v = tl.reshape(_e2m1_over_2e14(byte >> (4 * par)) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
+    return v, v
 
 
 @triton.jit
-def _sparse_attn_kernel(
+def _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, par,
+                  NP: tl.constexpr, WINDOW: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr):
+    """Channel pairs p0 .. p0 + NP of the window keys at positions kpos, as `_fp4_pairs`: the
+    ring's FP8 codes below the step's first position, this step's keys from there on."""
+    PAIRS: tl.constexpr = RING_SCALE_BLOCK // 2
+    in_ring = valid & (kpos < start)
+    in_new = valid & (kpos >= start)
+    g = tl.arange(0, NP // PAIRS)
+    pair = p0 + g[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
+    ring_row = slot * WINDOW + tl.where(valid, kpos, 0) % WINDOW
+    codes = tl.load(ring_ptr.to(tl.pointer_type(tl.uint16)) + ring_row[:, None, None] * (DIM // 2) + pair, mask=in_ring[:, None, None], other=0).to(tl.int32)
+    scale = tl.load(ring_scale_ptr + ring_row[:, None] * (DIM // RING_SCALE_BLOCK) + p0 // PAIRS + g[None, :], mask=in_ring[:, None], other=0)
+    scale = e8m0_to_fp32(scale)[:, :, None]
+    new_row = row0 + tl.where(in_new, kpos - start, 0)
+    words = tl.load(kv_new_ptr.to(tl.pointer_type(tl.int32)) + new_row[:, None, None] * (stride_kv // 2) + pair, mask=in_new[:, None, None], other=0)
+    # one term of each sum is 0 (masked loads): exact
+    if BOTH:
+        lo = _fp8_code(codes) * scale + (words << 16).to(tl.float32, bitcast=True)
+        hi = _fp8_code(codes >> 8) * scale + (words & -65536).to(tl.float32, bitcast=True)
+        return tl.reshape(lo, (BLOCK_N, NP)).to(tl.bfloat16), tl.reshape(hi, (BLOCK_N, NP)).to(tl.bfloat16)
+    v = _fp8_code(codes >> (8 * par)) * scale + ((words >> (16 * par)) << 16).to(tl.float32, bitcast=True)
+    v = tl.reshape(v, (BLOCK_N, NP)).to(tl.bfloat16)
+    return v, v
+
+
+@triton.jit
+def _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE: tl.constexpr, DIM: tl.constexpr):
+    """q^T of the head block as (even, odd) channel pieces of PIECE pairs, bf16 [PIECE, BLOCK_H]
+    each (the B operands of the logits product, loaded once per program)."""
+    j = tl.arange(0, PIECE)
+    base = q_ptr + tok * stride_qt + heads[None, :] * stride_qh + 2 * j[:, None]
+    lo = ()
+    hi = ()
+    for c in tl.static_range(DIM // 2 // PIECE):
+        lo = lo + (tl.load(base + 2 * c * PIECE, mask=h_ok[None, :], other=0.0),)
+        hi = hi + (tl.load(base + 2 * c * PIECE + 1, mask=h_ok[None, :], other=0.0),)
+    return lo, hi
+
+
+@triton.jit
+def _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, key, key_ok, tok, tile, n_tiles, heads, h_ok, H, n_keys):
+    """Round the tile's logits (bf16, times the scale, bf16 again), store them (-inf where
+    masked) and the tile's per-head max and sum of exp."""
+    s_t = (s_t.to(tl.bfloat16).to(tl.float32) * sm_scale).to(tl.bfloat16).to(tl.float32)
+    s_t = tl.where(valid[:, None], s_t, float("-inf"))
+    m = tl.maximum(tl.max(s_t, axis=0), -1e30)  # finite even for a tile without valid keys
+    l = tl.sum(tl.exp(s_t - m[None, :]), axis=0)
+    tl.store(s_ptr + (tok * H + heads[None, :]) * n_keys + key[:, None], s_t.to(tl.bfloat16), mask=key_ok[:, None] & h_ok[None, :])
+    stat = ((tok * n_tiles + tile) * H + heads) * 2
+    tl.store(stat_ptr + stat, m, mask=h_ok)
+    tl.store(stat_ptr + stat + 1, l, mask=h_ok)
+
+
+@triton.jit
+def _logits_kernel(
     q_ptr, kv_new_ptr, ring_ptr, ring_scale_ptr, ckv_ptr, ckv_scale_ptr, topk_ptr,
-    token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr, sink_ptr,
-    out_ptr, part_ptr, part_ml_ptr,
-    H, n_top, sm_scale,
-    stride_qt, stride_qh, stride_kv, stride_top, stride_bt, stride_ot, stride_oh,
-    WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_TILES: tl.constexpr,
+    token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr,
+    s_ptr, stat_ptr,
+    H, n_top, n_keys, n_tiles, tiles_per_program, sm_scale,
+    stride_qt, stride_qh, stride_kv, stride_top, stride_bt,
+    WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr,
 ):
-    """Program (token, head block[, chunk of CHUNK_TILES key tiles if SPLIT]): online softmax
-    over its key tiles (window tiles, then top-k tiles); SPLIT programs store their partial
-    state for `_combine_kernel`, the others normalise with the sink and store the output."""
+    """Program (token, head block, run of tiles_per_program logits tiles)."""
     tok = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
     req = tl.load(token_req_ptr + tok)
     pos = tl.load(pos_ptr + tok)
     start = tl.load(start_ptr + req)
     row0 = tl.load(row_ptr + req)
     slot = tl.load(slot_ptr + req).to(tl.int64)
     floor = tl.maximum(tl.load(floor_ptr + req), 0)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
-    d = tl.arange(0, DIM)
-    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0)
-
+    q_lo, q_hi = _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE, DIM)
     w_tiles = (WINDOW + BLOCK_N - 1) // BLOCK_N
-    n_tiles = w_tiles + tl.cdiv(n_top, BLOCK_N)
-    if SPLIT:
-        lo = tl.program_id(2) * CHUNK_TILES
-        hi = tl.minimum(lo + CHUNK_TILES, n_tiles)
-    else:
-        lo = 0
-        hi = n_tiles
-    m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, DIM), dtype=tl.float32)
-    # window keys: ring below the step's first position, this step's bf16 keys from there on
-    for tile in range(lo, tl.minimum(hi, w_tiles)):
+    lo = tl.program_id(2) * tiles_per_program
+    hi = tl.minimum(lo + tiles_per_program, n_tiles)
+    # not software-pipelined: a stage of a 128-key window tile (ring codes and this step's bf16
+    # keys, both read under masks) would take 192 KB of shared memory
+    for tile in tl.range(lo, tl.minimum(hi, w_tiles), num_stages=1):
         idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         kpos = pos - (WINDOW - 1) + idx
         valid = (idx < WINDOW) & (kpos >= floor)
-        in_ring = valid & (kpos < start)
-        in_new = valid & (kpos >= start)
-        ring_row = slot * WINDOW + tl.where(valid, kpos, 0) % WINDOW
-        codes = tl.load(ring_ptr + ring_row[:, None] * DIM + d[None, :], mask=in_ring[:, None], other=0.0)
-        scales = tl.load(ring_scale_ptr + ring_row[:, None] * (DIM // RING_SCALE_BLOCK) + (d // RING_SCALE_BLOCK)[None, :], mask=in_ring[:, None], other=0)
-        k_ring = codes.to(tl.float32) * e8m0_to_fp32(scales)
-        new_row = row0 + tl.where(in_new, kpos - start, 0)
-        k_new = tl.load(kv_new_ptr + new_row[:, None] * stride_kv + d[None, :], mask=in_new[:, None], other=0.0)
-        k = tl.where(in_ring[:, None], k_ring, k_new.to(tl.float32)).to(tl.bfloat16)
-        m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, sm_scale)
-    # selected compressed entries, FP4 through the block table. Channel c is nibble c % 2 of
-    # byte c // 2; each byte is read for both its channels (L1 hits) and scales are gathered
-    # per channel: plain [BLOCK_N, D] tensors, which need far fewer registers than unpacking
-    # into [BLOCK_N, D/2, 2] and interleaving (that spilled).
+        s_t = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+        for c in tl.static_range(DIM // 2 // PIECE):
+            k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True)
+            s_t = tl.dot(k_lo, q_lo[c], s_t)
+            s_t = tl.dot(k_hi, q_hi[c], s_t)
+        _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, idx, idx < WINDOW, tok, tile, n_tiles, heads, h_ok, H, n_keys)
     for tile in range(tl.maximum(lo, w_tiles), hi):
-        c = (tile - w_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        entry = tl.load(topk_ptr + tok * stride_top + c, mask=c < n_top, other=-1)
+        c_idx = (tile - w_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        entry = tl.load(topk_ptr + tok * stride_top + c_idx, mask=c_idx < n_top, other=-1)
         valid = entry >= 0
         entry = tl.where(valid, entry, 0)
         block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
         loc = block * PER_BLOCK + entry % PER_BLOCK
-        byte = tl.load(ckv_ptr + loc[:, None] * (DIM // 2) + (d // 2)[None, :], mask=valid[:, None], other=0)
-        code = tl.where((d & 1)[None, :] == 1, byte >> 4, byte & 0xF)
-        scale = tl.load(ckv_scale_ptr + loc[:, None] * (DIM // CKV_SCALE_BLOCK) + (d // CKV_SCALE_BLOCK)[None, :], mask=valid[:, None], other=0.0)
-        k = (_fp4_values(code) * scale.to(tl.float32)).to(tl.bfloat16)
-        m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, sm_scale)
-
-    if SPLIT:
-        part = (tok * tl.num_programs(2) + tl.program_id(2)) * H + heads
-        tl.store(part_ptr + part[:, None] * DIM + d[None, :], acc, mask=h_ok[:, None])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=h_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=h_ok)
-    else:
-        out = _finish(m_i, l_i, acc, tl.load(sink_ptr + heads, mask=h_ok, other=0.0))
-        tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(tl.bfloat16), mask=h_ok[:, None])
+        # the whole rows' scales in one (prefetched) load, each piece's groups picked out of it
+        N_PIECES: tl.constexpr = DIM // 2 // PIECE
+        GROUPS: tl.constexpr = PIECE // (CKV_SCALE_BLOCK // 2)
+        scales = tl.reshape(_fp4_scales(ckv_scale_ptr, loc, valid, 0, DIM // CKV_SCALE_BLOCK, DIM), (BLOCK_N, N_PIECES, GROUPS))
+        which = tl.arange(0, N_PIECES)[None, :, None]
+        s_t = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+        for c in tl.static_range(N_PIECES):
+            scale = tl.sum(tl.where(which == c, scales, 0.0), axis=1)
+            k_lo, k_hi = _fp4_pairs(ckv_ptr, scale, loc, valid, c * PIECE, 0, PIECE, DIM, BLOCK_N, True)
+            s_t = tl.dot(k_lo, q_lo[c], s_t)
+            s_t = tl.dot(k_hi, q_hi[c], s_t)
+        _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, WINDOW + c_idx, c_idx < n_top, tok, tile, n_tiles, heads, h_ok, H, n_keys)
 
 
 @triton.jit
-def _combine_kernel(
-    part_ptr, part_ml_ptr, sink_ptr, out_ptr, H, CHUNKS, stride_ot, stride_oh,
-    DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+def _pv_kernel(
+    s_ptr, stat_ptr, kv_new_ptr, ring_ptr, ring_scale_ptr, ckv_ptr, ckv_scale_ptr, topk_ptr,
+    token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr, sink_ptr, out_ptr,
+    H, n_top, n_keys, n_stat_tiles,
+    stride_kv, stride_top, stride_bt, stride_ot, stride_oh,
+    WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr,
 ):
-    """Merge the chunks' softmax states in chunk order, then normalise with the sink."""
+    """Program (token, head block x channel slice): slice 2r + par of DSPLIT holds channels
+    2p + par for the pairs p of range r (DSPLIT = 1: every channel, as two halves)."""
+    BOTH: tl.constexpr = DSPLIT == 1
+    NP: tl.constexpr = DIM // 2 if DSPLIT <= 2 else DIM // DSPLIT  # channel pairs of the slice
     tok = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    req = tl.load(token_req_ptr + tok)
+    pos = tl.load(pos_ptr + tok)
+    start = tl.load(start_ptr + req)
+    row0 = tl.load(row_ptr + req)
+    slot = tl.load(slot_ptr + req).to(tl.int64)
+    floor = tl.maximum(tl.load(floor_ptr + req), 0)
+    heads = (tl.program_id(1) // DSPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
-    d = tl.arange(0, DIM)
-    m_r = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
-    l_r = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc_r = tl.zeros((BLOCK_H, DIM), dtype=tl.float32)
-    for chunk in range(CHUNKS):
-        part = (tok * CHUNKS + chunk) * H + heads
-        m_c = tl.load(part_ml_ptr + part * 2, mask=h_ok, other=-1e30)
-        l_c = tl.load(part_ml_ptr + part * 2 + 1, mask=h_ok, other=0.0)
-        acc_c = tl.load(part_ptr + part[:, None] * DIM + d[None, :], mask=h_ok[:, None], other=0.0)
-        m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_c, l_c, acc_c)
-    out = _finish(m_r, l_r, acc_r, tl.load(sink_ptr + heads, mask=h_ok, other=0.0))
-    tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(tl.bfloat16), mask=h_ok[:, None])
+    piece = tl.program_id(1) % DSPLIT
+    par = piece % 2
+    p0 = (piece // 2) * NP
+    # the tiles' statistics, merged in tile order, with the sink in the denominator
+    m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+    for t in range(n_stat_tiles):
+        m = tl.maximum(m, tl.load(stat_ptr + ((tok * n_stat_tiles + t) * H + heads) * 2, mask=h_ok, other=-1e30))
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0)
+    m = tl.maximum(m, sink)
+    denom = tl.exp(sink - m)
+    for t in range(n_stat_tiles):
+        stat = ((tok * n_stat_tiles + t) * H + heads) * 2
+        m_t = tl.load(stat_ptr + stat, mask=h_ok, other=-1e30)
+        denom += tl.load(stat_ptr + stat + 1, mask=h_ok, other=0.0) * tl.exp(m_t - m)
+
+    s_row = s_ptr + (tok * H + heads[:, None]) * n_keys
+    acc_a = tl.zeros((BLOCK_H, NP), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_H, NP), dtype=tl.float32)  # odd channels when BOTH
+    for tile in range(0, (WINDOW + BLOCK_N - 1) // BLOCK_N):
+        idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kpos = pos - (WINDOW - 1) + idx
+        valid = (idx < WINDOW) & (kpos >= floor)
+        p = tl.exp(tl.load(s_row + idx[None, :], mask=h_ok[:, None] & (idx < WINDOW)[None, :], other=float("-inf")) - m[:, None])
+        v_a, v_b = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, par, NP, WINDOW, DIM, BLOCK_N, BOTH)
+        acc_a = tl.dot(p.to(tl.bfloat16), v_a, acc_a)
+        if BOTH:
+            acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
+    for tile in range(0, tl.cdiv(n_top, BLOCK_N)):
+        c_idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        entry = tl.load(topk_ptr + tok * stride_top + c_idx, mask=c_idx < n_top, other=-1)
+        valid = entry >= 0
+        entry = tl.where(valid, entry, 0)
+        block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
+        p = tl.exp(tl.load(s_row + WINDOW + c_idx[None, :], mask=h_ok[:, None] & (c_idx < n_top)[None, :], other=float("-inf")) - m[:, None])
+        loc = block * PER_BLOCK + entry % PER_BLOCK
+        scale = _fp4_scales(ckv_scale_ptr, loc, valid, p0 // (CKV_SCALE_BLOCK // 2), NP // (CKV_SCALE_BLOCK // 2), DIM)
+        v_a, v_b = _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par, NP, DIM, BLOCK_N, BOTH)
+        acc_a = tl.dot(p.to(tl.bfloat16), v_a, acc_a)
+        if BOTH:
+            acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
+
+    inv = (1.0 / denom)[:, None]
+    j = tl.arange(0, NP)
+    row = tok * stride_ot + heads[:, None] * stride_oh
+    if BOTH:  # one int32 word of two channels per store
+        lo = (acc_a * inv).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = (acc_b * inv).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+        tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + row // 2 + j[None, :], lo | hi, mask=h_ok[:, None])
+    else:
+        tl.store(out_ptr + row + 2 * (p0 + j[None, :]) + par, (acc_a * inv).to(tl.bfloat16), mask=h_ok[:, None])
 
 
 def _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk) -> None:
@@ -211,6 +319,25 @@ def _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk) -> N
             raise ValueError(f"sparse_attention: {name} must be contiguous")
 
 
+def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch.device, cfg: dict) -> dict:
+    """Grid choices of a call: logits tiles, logits programs per token and PV channel slices
+    ("auto": the fewest that give about one program per SM; neither changes any result)."""
+    bh = cfg["BLOCK_H"]
+    n_tiles = triton.cdiv(window, cfg["LOGIT_BLOCK_N"]) + triton.cdiv(n_top, cfg["LOGIT_BLOCK_N"])
+    rows = t * triton.cdiv(h, bh)
+    sms = num_sms(device)
+    tiles = cfg["TILES_PER_PROGRAM"]
+    if tiles == "auto":
+        tiles = triton.cdiv(n_tiles, max(1, min(n_tiles, sms // rows)))
+    dsplit = cfg["DSPLIT"]
+    if dsplit == "auto":
+        dsplit = next((d for d in DSPLITS if rows * d >= sms), DSPLITS[-1])
+    if dsplit not in DSPLITS:
+        raise ValueError(f"sparse_attention: DSPLIT must be 'auto' or one of {DSPLITS}, got {dsplit!r}")
+    dsplit = min(dsplit, dim // (RING_SCALE_BLOCK.value // 2))  # a slice holds whole ring scale groups
+    return {"n_tiles": n_tiles, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit}
+
+
 def sparse_attention(
     q: torch.Tensor,
     kv_new: torch.Tensor,
@@ -228,6 +355,8 @@ def sparse_attention(
     block_tables: torch.Tensor,
     sink: torch.Tensor,
     softmax_scale: float,
+    *,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Sparse MQA over window ring + selected compressed entries (module docstring).
 
@@ -237,99 +366,38 @@ def sparse_attention(
     token_req int [T] request of each token; positions int [T]; per request (int [B]):
     start_pos (first position of the step), row_start (its first row in q / kv_new), slots,
     floors (window keys below are invisible); block_tables int [B, max_blocks]; sink fp32 [H].
-    -> bf16 [T, H, D]."""
+    `config` overrides entries of CONFIG for this call (tiling experiments).
+    -> bf16 [T, H, D]. Shapes alone decide the launch: no host synchronisation (CUDA graphs)."""
     _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk)
+    cfg = CONFIG if config is None else {**CONFIG, **config}
     t, h, dim = q.shape
     window, per_block = ring_codes.shape[1], ckv_codes.shape[1]
     out = torch.empty(t, h, dim, dtype=torch.bfloat16, device=q.device)
     if t == 0:
         return out
+    # kv_new is read and the output written in channel pairs (int32 words): even offsets
     q = q if q.stride(-1) == 1 else q.contiguous()
-    kv_new = kv_new.contiguous()
+    kv_new = kv_new if kv_new.stride(-1) == 1 and kv_new.stride(0) % 2 == 0 else kv_new.contiguous()
     topk = topk.contiguous()
     n_top = topk.shape[1]
     sink = sink.float().contiguous()
-    cfg = CONFIG
-    bh = cfg["BLOCK_H"]
-    chunks = triton.cdiv(triton.cdiv(window, cfg["BLOCK_N"]) + triton.cdiv(n_top, cfg["BLOCK_N"]), cfg["CHUNK_TILES"])
-    # "auto": one program per chunk only while the unsplit grid would leave SMs idle — the
-    # partial states ([H, D] fp32 per chunk and token) cost more traffic than the chunk's keys.
-    policy = cfg["SPLIT"]
-    if policy not in ("auto", "always", "never"):
-        raise ValueError(f"sparse_attention: CONFIG['SPLIT'] must be 'auto', 'always' or 'never', got {policy!r}")
-    split = chunks > 1 and (policy == "always" or (policy == "auto" and t * triton.cdiv(h, bh) <= num_sms(q.device)))
-    if split:
-        part = torch.empty(t, chunks, h, dim, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(t, chunks, h, 2, dtype=torch.float32, device=q.device)
-    else:
-        part = part_ml = out  # not written without SPLIT
-    _sparse_attn_kernel[(t, triton.cdiv(h, bh), chunks if split else 1)](
-        q, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk,
-        token_req, positions, start_pos, row_start, slots, floors, block_tables, sink,
-        out, part, part_ml,
-        h, n_top, float(softmax_scale),
-        q.stride(0), q.stride(1), kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-        WINDOW=window, PER_BLOCK=per_block, DIM=dim, SPLIT=split,
-        BLOCK_H=bh, BLOCK_N=cfg["BLOCK_N"], CHUNK_TILES=cfg["CHUNK_TILES"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    plan = launch_plan(t, h, dim, window, n_top, q.device, cfg)
+    n_keys, n_tiles, bh = window + n_top, plan["n_tiles"], cfg["BLOCK_H"]
+    logits = torch.empty(t, h, n_keys, dtype=torch.bfloat16, device=q.device)
+    stats = torch.empty(t, n_tiles, h, 2, dtype=torch.float32, device=q.device)
+    index = (token_req, positions, start_pos, row_start, slots, floors, block_tables)
+    _logits_kernel[(t, triton.cdiv(h, bh), plan["logit_programs"])](
+        q, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, logits, stats,
+        h, n_top, n_keys, n_tiles, plan["tiles_per_program"], float(softmax_scale),
+        q.stride(0), q.stride(1), kv_new.stride(0), topk.stride(0), block_tables.stride(0),
+        WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=bh, BLOCK_N=cfg["LOGIT_BLOCK_N"], PIECE=min(cfg["PIECE"], dim // 2),
+        num_warps=cfg["logit_warps"], num_stages=cfg["logit_stages"],
     )
-    if split:
-        _combine_kernel[(t, triton.cdiv(h, bh))](
-            part, part_ml, sink, out, h, chunks, out.stride(0), out.stride(1), DIM=dim, BLOCK_H=bh, num_warps=cfg["num_warps"]
-        )
-    return out
-
-
-def sparse_attention_reference(
-    q: torch.Tensor,
-    kv_new: torch.Tensor,
-    ring_codes: torch.Tensor,
-    ring_scales: torch.Tensor,
-    ckv_codes: torch.Tensor,
-    ckv_scales: torch.Tensor,
-    topk: torch.Tensor,
-    token_req: torch.Tensor,
-    positions: torch.Tensor,
-    start_pos: torch.Tensor,
-    row_start: torch.Tensor,
-    slots: torch.Tensor,
-    floors: torch.Tensor,
-    block_tables: torch.Tensor,
-    sink: torch.Tensor,
-    softmax_scale: float,
-    chunk: int = 256,
-) -> torch.Tensor:
-    """Torch reference of `sparse_attention` (same signature; `chunk` bounds the gathered keys'
-    memory): gathers and dequantises every key a query may see, then computes the softmax of
-    `Attention._attend` — bf16 logits, fp32 softmax with the sink column, bf16 probabilities."""
-    t, h, dim = q.shape
-    window, per_block = ring_codes.shape[1], ckv_codes.shape[1]
-    out = torch.empty(t, h, dim, dtype=q.dtype, device=q.device)
-    offs = torch.arange(window, device=q.device)
-    for c0 in range(0, t, chunk):
-        rows = slice(c0, min(c0 + chunk, t))
-        req = token_req[rows].long()
-        pos = positions[rows].long()
-        start, row0 = start_pos.long()[req], row_start.long()[req]
-        kpos = pos[:, None] - (window - 1) + offs  # [n, W]
-        valid = kpos >= floors.long()[req].clamp_min(0)[:, None]
-        in_ring = valid & (kpos < start[:, None])
-        ring_idx = (slots.long()[req][:, None], kpos.clamp_min(0) % window)
-        ring = quant.dequantize_fp8_ue8m0(ring_codes[ring_idx], ring_scales.view(torch.uint8)[ring_idx], q.dtype, RING_SCALE_BLOCK.value)
-        new_row = (row0[:, None] + kpos - start[:, None]).clamp(0, t - 1)
-        keys = torch.where(in_ring[..., None], ring, kv_new[new_row])
-        entries = topk[rows].long()
-        if entries.shape[1]:
-            safe = entries.clamp_min(0)
-            blocks = block_tables.long()[req[:, None], safe // per_block]
-            loc = (blocks, safe % per_block)
-            comp = quant.dequantize_fp4(ckv_codes[loc], ckv_scales[loc], q.dtype, CKV_SCALE_BLOCK.value)
-            keys = torch.cat([keys, comp], dim=1)
-            valid = torch.cat([valid, entries >= 0], dim=1)
-        keys = keys.masked_fill(~valid[..., None], 0)  # unwritten cache bytes may decode to NaN
-        logits = (torch.einsum("nhd,nkd->nhk", q[rows], keys) * softmax_scale).float()
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        sinks = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1].to(q.dtype)
-        out[rows] = torch.einsum("nhk,nkd->nhd", probs, keys)
+    _pv_kernel[(t, triton.cdiv(h, bh) * plan["DSPLIT"])](
+        logits, stats, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, sink, out,
+        h, n_top, n_keys, n_tiles,
+        kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
+        WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=bh, BLOCK_N=cfg["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"],
+        num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"],
+    )
     return out

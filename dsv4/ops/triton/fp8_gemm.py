@@ -6,13 +6,17 @@ Same signature as the torch reference `F.linear(x, quant.dequant_fp8_block(w, s,
 have different limits:
 
 * `fp8_linear_w8a16` (decode, few rows, memory bound): the weight tile is loaded as FP8 (one
-  byte per weight crosses HBM), converted to bf16 in registers and multiplied on bf16 tensor
-  cores; the block scale, a power of two, is applied to each block's partial product in the
-  fp32 accumulator, so the result equals the reference up to fp32 summation order. K is cut
-  into chunks fixed by the weight's shape (never by M) and the chunk sums are added in a fixed
-  order — in one program when there are many row tiles, or one program per chunk (split-K,
-  filling the SMs at decode) plus a sum kernel: the same bits either way, so a row's result
-  does not depend on the batch it came in (batch invariance) and no atomics are used.
+  byte per weight crosses HBM, 16-byte copies pipelined through shared memory), dequantised
+  exactly to bf16 in registers — the code's value times its power-of-two block scale; a byte
+  permute instead of Triton's cast, which is bound by the SMs' conversion unit below the HBM
+  rate — and multiplied on bf16 tensor cores, the weight rows as the wgmma's M and the
+  activation rows as its N (one instruction family for every batch size: see `W8A16`). K is cut
+  into chunks fixed by the weight's shape and the device (never by M); each chunk is one MMA
+  chain from zero, and the chunk sums are added in a fixed order — in one program when there
+  are many output tiles, or one program per chunk (split-K, to fill the SMs at decode) whose
+  partials the tile's last program adds: the same bits either way, so a row's result does not
+  depend on the batch it came in (batch invariance), and no sum uses atomics. The tile knobs
+  (`W8A16`) do not change the bits either, only the chunking does.
 * `fp8_linear_w8a8` (prefill, many rows, compute bound): the activations are first quantised
   to FP8 per (row, `block` columns) with a power-of-two scale (`fp8_act_quant`, the DeepSeek
   reference's activation quantiser, bit-identical to `quant.quantize_fp8_ue8m0`), then both
@@ -24,9 +28,9 @@ have different limits:
 `fp8_linear` picks one by the number of rows (`W8A8_MIN_ROWS`). The two paths differ
 numerically (and the FP8 path's autotuned tiles depend on the row count), so through the
 dispatcher a token's result depends on which path its batch took; callers that need
-batch-invariant greedy decoding call `fp8_linear_w8a16` (the row tile, 16 up to 64 rows and
-64 above, is the one M-dependent choice left; scripts/check_kernels.py checks that it does not
-change the bits).
+batch-invariant greedy decoding call `fp8_linear_w8a16` (whose row class follows M and whose
+split follows the tile count; scripts/check_kernels.py checks on the device that neither
+changes the bits).
 
 Scale bytes are turned into 2**(byte - 127) by building the fp32 bits, which is exact for the
 bytes a checkpoint holds (1..254); byte 0 (2**-127, a subnormal) reads as 0 and 0xFF (NaN) as
@@ -79,108 +83,297 @@ def round_to_e4m3(v):
 
 # ------------------------------------------------------------------------------ w8a16 kernel
 
+# e4m3 -> bf16 for 4 codes in a 32-bit register without the conversion unit: a byte permute
+# puts each code, sign-extended, in a 16-bit half; shifted left by 4 and masked, sign, exponent
+# and mantissa sit where bf16 keeps them, which reads as the value times 2**-120 (e4m3
+# subnormals land on bf16 subnormals with the same factor); one bf16x2 multiply by 2**120
+# makes it exact. (NaN codes 0x7F / 0xFF come out as +-480; checkpoints hold none.) Triton's
+# own cast takes three conversion-unit instructions per two values (e4m3x2 -> f16x2, then
+# f16 -> bf16 one by one), which at 16 conversions per SM and clock is slower than HBM.
+_E4M3_TO_BF16_PTX = tl.constexpr("""{
+.reg .b32 lo, hi, k;
+mov.b32 k, 0x7B807B80;
+prmt.b32 lo, $2, 0, 0x9180;
+prmt.b32 hi, $2, 0, 0xB3A2;
+shl.b32 lo, lo, 4;
+shl.b32 hi, hi, 4;
+and.b32 lo, lo, 0x87F087F0;
+and.b32 hi, hi, 0x87F087F0;
+mul.rn.bf16x2 $0, lo, k;
+mul.rn.bf16x2 $1, hi, k;
+}""")
+# "ptx": the permute above; "fp32": Triton's casts through fp32 (the interpreter's path, whose
+# bf16 arithmetic is not IEEE; on the GPU a slower reference). Same bf16 values either way.
+FP8_CONVERT = "ptx"
+
+
+def ptx_convert(device: torch.device) -> bool:
+    """Whether kernels on `device` dequantise with the PTX permute (compiled CUDA only)."""
+    return FP8_CONVERT == "ptx" and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
 
 @triton.jit
-def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_chunk,
-    K_STEPS, CHUNK_STEPS, CHUNKS_PER_PROGRAM,
-    QBLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One [BLOCK_M, BLOCK_N] output tile over CHUNKS_PER_PROGRAM consecutive K chunks.
+def dequant_rows(w, scale_byte, PTX: tl.constexpr):
+    """float8e4nv [R, C] times 2**(scale_byte - 127) per row (uint8 [R]) -> bf16 [R, C].
 
-    BLOCK_K divides QBLOCK (both powers of two), so one K step lies in one scale block: its partial product is
-    scaled per output column. Each chunk of CHUNK_STEPS steps is summed on its own and the
-    chunk sums are added in order to a zero total, so the bits are the same whether one
-    program runs all chunks or each chunk has a program and `_chunk_sum_kernel` adds them."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    Exact: e4m3 values have 4 significant bits, the scale is a power of two, and the product
+    is a normal bf16 for any real block scale (bf16 has fp32's exponent range)."""
+    if PTX:
+        w16 = tl.inline_asm_elementwise(_E4M3_TO_BF16_PTX, "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+        scale = (scale_byte.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+        return w16 * scale[:, None]
+    else:
+        return (w.to(tl.float32) * e8m0_to_fp32(scale_byte)[:, None]).to(tl.bfloat16)
+
+
+# Knobs of the weight-only kernel (scripts/check_kernels.py's `gemm_sweep` section times
+# alternatives on the device and prints the best per shape).
+#
+# Why the product is computed transposed (out^T = W x^T, weight rows as the MMA's M): Hopper
+# has two tensor-core instruction families, and they need not round alike. Triton issues wgmma
+# only for an M that is a multiple of 64 and mma.sync below it, the latter with bf16 operands
+# in a layout (kWidth 4 in Triton 3.9) that puts the K values in other positions of the
+# instruction — which changes the rounding wherever the instruction does not add its 16
+# products in one exact step. The first device run saw the difference: 32-row tiles
+# (mma.sync) and 64-row tiles (wgmma) gave different bits for the same chunking at every
+# projection, and row 0 of wq_a alone differed from row 0 in a 4096-row batch (that of wo_b
+# did not: rare per output, but not absent). With the weight rows as M (a multiple of 64 in
+# every class) and the activation rows as N (16 .. 256), every row class issues the same wgmma
+# m64nBLOCK_Tk16 chain, the dequantised weights as the register operand (K in natural order)
+# and x^T from shared memory: per output element the same products in the same K order into
+# the same fp32 accumulator, whatever M, BLOCK_T or BLOCK_N. (A 1-row call pays for 16 rows
+# of tensor-core work, as the 16-row mma.sync tile did; the MMAs overlap the weight stream.)
+# scripts/check_kernels.py checks that every default variant compiles to wgmma only
+# (--compile-only) and, on the device, that rows keep their bits across row classes and tiles
+# (sections `invariance` and `gemm_sweep`, "same bits").
+#
+# "rows": tiles by row class, the first whose `max_rows` (None: any) holds the call's rows:
+#   BLOCK_T activation rows (the wgmma's N: 16 .. 256, a multiple of 16), BLOCK_N weight rows
+#   (its M: a multiple of 16 x num_warps, so that each warp group owns whole 64-row slabs),
+#   BLOCK_K inputs per pipelined step (32, 64 or 128, in pieces of min(block, 32) inputs that are
+#   loaded, dequantised and multiplied one after the other), GROUP_T row tiles that
+#   neighbouring programs share (L2 reuse when there are many row tiles), warps and pipeline
+#   depth. None of these changes a row's bits (see above; the fixed pieces keep that true in
+#   the interpreter too, whose dot is a numpy product per piece), so the row class may follow M.
+# "CHUNKS" / "PROGRAMS_PER_SM" / "MIN_CHUNK_K": K is cut into chunks from the weight's shape and
+#   the device only (never from M): CHUNKS[(N, K, block)] if set, else enough chunks that a
+#   decode call (the first row class's BLOCK_N) has about PROGRAMS_PER_SM programs per SM,
+#   each chunk at least MIN_CHUNK_K inputs. Chunk sums are added in order, so the chunk count
+#   is part of the numerics of a shape (and so, for shapes without a CHUNKS entry, are these
+#   three knobs and the first class's BLOCK_N: fixed per process, never per call).
+# "SPLIT_TILES_PER_SM": calls with fewer output tiles than this x SMs run one program per
+#   chunk (split-K) and the last program of a tile to finish adds the chunk partials in order;
+#   larger calls run all chunks of a tile in one program. Same bits either way.
+# Defaults: per class the tile with the best geometric mean fraction of the floor over the 10
+# projections in the first device run (gemm_sweep, CUDA-graph timing, the kernel then still
+# untransposed; the next sweep re-measures): 16 rows N128 K128 s3 (22%; s4 21%), 64 rows N128
+# K64 s6 (14%, level with a 32-row mma.sync tile that read the weights twice), 128 rows N128
+# K64 g8 w8 s3 (15%); 32 rows was not swept.
+W8A16 = {
+    "rows": (
+        (16, {"BLOCK_T": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 3}),
+        (32, {"BLOCK_T": 32, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 3}),
+        (64, {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_T": 1, "num_warps": 4, "num_stages": 6}),
+        (None, {"BLOCK_T": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_T": 8, "num_warps": 8, "num_stages": 3}),
+    ),
+    # wq_a: 10 chunks of 512 beat the default 20 of 256 by 14% over M = 1, 8, 64 (device run 1)
+    "CHUNKS": {(1280, 5120, 32): 10},
+    "PROGRAMS_PER_SM": 2.0,
+    "MIN_CHUNK_K": 256,
+    "SPLIT_TILES_PER_SM": 1.0,
+}
+# Chunks other than the last are a multiple of this (the widest BLOCK_K), so that no K step of
+# any row class straddles two chunks.
+CHUNK_ALIGN = 128
+COUNTER_TILES = 4096  # split-K tile counters per device (calls with more tiles do not split)
+# The tile's last program reads the chunk partials this many at a time (loads issued together,
+# then added in chunk order): one L2 round trip per group instead of one per chunk — at 10 - 20
+# chunks, about 0.2 us each, a large part of the 9 - 12 us the small decode GEMMs took (wq_a,
+# wkv, wo_a: 6 - 14% of the floor, and fewer chunks measured faster); in slices of REDUCE_ROWS
+# rows, so that the loads in flight stay at REDUCE_LOADS x 16 x BLOCK_N values whatever BLOCK_T.
+REDUCE_LOADS = 4
+REDUCE_ROWS = 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a16_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K, CHUNK_K,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    QBLOCK: tl.constexpr, PIECE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+    LOADS: tl.constexpr, ROWS: tl.constexpr,
+):
+    """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
+    by K chunk (the weight rows as the wgmma's M; see the knobs above).
+
+    Each chunk is one chain of MMAs over exactly dequantised bf16 weights, from zero, in K
+    order; chunk sums are added in order to a zero total. SPLIT: this program runs chunk
+    program_id(1) only and stores its sum; the tile's last program to arrive (an integer
+    ticket; no sum uses atomics) adds all partials in chunk order — the same additions, so the
+    same bits, as one program running every chunk."""
+    pid = tl.program_id(0)
+    tiles_t = tl.cdiv(M, BLOCK_T)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_T * tiles_n
+    first_t = (pid // width) * GROUP_T
+    size_t = tl.minimum(tiles_t - first_t, GROUP_T)
+    pid_t = first_t + (pid % width) % size_t
+    pid_n = (pid % width) // size_t
+    rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
+    rp = tl.arange(0, PIECE)
+    t_ok = rt < M
     n_ok = rn < N
-    x_rows = x_ptr + rm[:, None] * stride_xm
+    x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_xm  # int64 rows (and at the stores): M x N passes 2**31 from 64K rows of wq_b
     w_rows = w_ptr + rn[:, None] * stride_wn
     s_rows = s_ptr + (rn // QBLOCK) * stride_sn
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first_chunk = pid_k * CHUNKS_PER_PROGRAM
-    for chunk in range(first_chunk, first_chunk + CHUNKS_PER_PROGRAM):
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in range(chunk * CHUNK_STEPS, tl.minimum(chunk * CHUNK_STEPS + CHUNK_STEPS, K_STEPS)):
-            k = step * BLOCK_K + rk
-            k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            s = e8m0_to_fp32(tl.load(s_rows + (step * BLOCK_K) // QBLOCK, mask=n_ok, other=0))
-            acc += tl.dot(x, tl.trans(w.to(tl.bfloat16))) * s[None, :]
-        total += acc
-    out = out_ptr + pid_k * stride_chunk + rm[:, None] * stride_om + rn[None, :]
-    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT:
+        k_lo = tl.program_id(1) * CHUNK_K
+        k_hi = tl.minimum(k_lo + CHUNK_K, K)
+    else:
+        k_lo = 0
+        k_hi = K
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    chunk_end = k_lo + CHUNK_K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // PIECE):
+            k = k0 + j * PIECE + rp
+            if EVEN_K:
+                x = tl.load(x_rows + k[None, :], mask=t_ok[:, None], other=0.0)
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_rows + k[None, :], mask=t_ok[:, None] & (k < K)[None, :], other=0.0)
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+            if (j * PIECE) % QBLOCK == 0:  # a new scale column
+                if EVEN_K:
+                    s = tl.load(s_rows + (k0 + j * PIECE) // QBLOCK, mask=n_ok, other=0)
+                else:  # a piece past K (zeros) takes the row's last scale: there is no column there
+                    s = tl.load(s_rows + tl.minimum((k0 + j * PIECE) // QBLOCK, (K - 1) // QBLOCK), mask=n_ok, other=0)
+            acc = tl.dot(dequant_rows(w, s, PTX), tl.trans(x), acc)
+        if not SPLIT:
+            if (k0 + BLOCK_K == chunk_end) | (k0 + BLOCK_K >= k_hi):
+                total += acc
+                acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+                chunk_end += CHUNK_K
+    if SPLIT:
+        chunks = tl.num_programs(1)
+        plane = M * N  # partials [chunks, M, N]
+        ok = n_ok[:, None] & t_ok[None, :]
+        tl.store(part_ptr + tl.program_id(1) * plane + rt[None, :] * N + rn[:, None], acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial is written before the ticket releases them
+        ticket = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if ticket == chunks - 1:
+            # the sum reads the partials from memory (its own too) in [ROWS, BLOCK_N] slices
+            # with N contiguous, whatever the MMA layout of acc
+            for r0 in tl.static_range(0, BLOCK_T, ROWS):
+                rr = pid_t * BLOCK_T + r0 + tl.arange(0, ROWS)
+                ok_r = (rr < M)[:, None] & n_ok[None, :]
+                offs = rr[:, None] * N + rn[None, :]
+                sums = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+                for c0 in range(0, chunks, LOADS):
+                    parts = ()  # past the last chunk: the last one again, not added
+                    for j in tl.static_range(LOADS):
+                        c = tl.minimum(c0 + j, chunks - 1)
+                        parts = parts + (tl.load(part_ptr + c * plane + offs, mask=ok_r, other=0.0, cache_modifier=".cg"),)
+                    for j in tl.static_range(LOADS):
+                        sums = tl.where(c0 + j < chunks, sums + parts[j], sums)
+                tl.store(out_ptr + rr.to(tl.int64)[:, None] * stride_om + rn[None, :], sums.to(out_ptr.dtype.element_ty), mask=ok_r)
+            tl.atomic_xchg(count_ptr + pid, 0)  # zero again for the next call on the stream
+    else:
+        out = out_ptr + rt.to(tl.int64)[None, :] * stride_om + rn[:, None]
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & t_ok[None, :])
 
 
-@triton.jit
-def _chunk_sum_kernel(part_ptr, out_ptr, numel, CHUNKS, BLOCK: tl.constexpr):
-    """out = bf16(((0 + part[0]) + part[1]) + ...), the order `_w8a16_kernel` adds chunks in."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c in range(CHUNKS):
-        total += tl.load(part_ptr + c * numel + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, total.to(tl.bfloat16), mask=ok)
+_SMS: dict[torch.device, int] = {}
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (4 stands in for the CPU interpreter)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    """Streaming multiprocessors of the device (4 stands in for the CPU interpreter); cached,
+    as every launch asks."""
+    if device.type != "cuda":
+        return 4
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
-# Tiles of the weight-only kernel: 64 output columns, 32 inputs per K step (one V4.1 scale
-# block; larger steps spill registers on sm_90 for V4's 128 blocks).
-W8A16_BLOCK_N = 64
-W8A16_BLOCK_K = 32
+def w8a16_config(m: int) -> dict:
+    """The tile knobs of the first row class that holds m rows."""
+    for max_rows, cfg in W8A16["rows"]:
+        if max_rows is None or m <= max_rows:
+            return cfg
+    raise ValueError("W8A16['rows'] must end with a class for any row count (max_rows None)")
 
 
-def w8a16_chunks(n: int, k: int, block: int, device: torch.device) -> tuple[int, int]:
-    """(K steps per chunk, chunks) of a weight: from N, K and the SM count only, never from M,
-    so a row's result does not depend on how many rows the call has. Chunks are sized so that
-    a one-row-tile call fills two waves of SMs, each chunk keeping >= 8 K steps to pipeline."""
-    steps = triton.cdiv(k, min(block, W8A16_BLOCK_K))
-    tiles_n = triton.cdiv(n, W8A16_BLOCK_N)
-    chunks = max(1, min(2 * num_sms(device) // tiles_n, steps // 8, 16))
-    per = triton.cdiv(steps, chunks)
-    return per, triton.cdiv(steps, per)
+def wgmma_tile_error(rows: int, cols: int, warps: int) -> str | None:
+    """Why a [rows (weights, the MMA's M), cols (tokens, its N)] accumulator tile at `warps`
+    warps would not compile to whole-warp-group wgmma (see the W8A16 notes), or None."""
+    if warps % 4 or rows % (16 * warps) or cols % 16 or not 16 <= cols <= 256:
+        return f"a {rows} x {cols} tile at {warps} warps is no whole-warp-group wgmma: weight rows must be a multiple of 16 x warps (a multiple of 4), token rows a multiple of 16 in [16, 256]"
+    return None
+
+
+def w8a16_chunk_k(n: int, k: int, block: int, device: torch.device) -> int:
+    """Inputs per K chunk of a weight, from N, K, block and the SM count only (never from M, so
+    that a row's bits do not depend on the call's rows); K itself for a single chunk."""
+    chunks = W8A16["CHUNKS"].get((n, k, block))
+    if chunks is None:
+        tiles = triton.cdiv(n, W8A16["rows"][0][1]["BLOCK_N"])
+        chunks = min(int(W8A16["PROGRAMS_PER_SM"] * num_sms(device)) // tiles, k // W8A16["MIN_CHUNK_K"])
+    chunk_k = triton.cdiv(triton.cdiv(k, max(chunks, 1)), CHUNK_ALIGN) * CHUNK_ALIGN
+    return k if chunk_k >= k else chunk_k
+
+
+def _tile_counters(device: torch.device, split: bool) -> torch.Tensor:
+    """The split-K tickets of a device: zeroed once, and zeroed again by the program that uses
+    one, so calls on one stream (and CUDA-graph replays) find them at zero. A zero fill
+    recorded during graph capture would only run at replay, hence the first call must come
+    before capture; an unsplit call only needs a pointer of the right type."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and split:
+            raise RuntimeError("fp8_linear_w8a16: call it once before CUDA-graph capture (its split-K counters are zeroed at first use)")
+        if capturing:
+            return torch.empty(0, dtype=torch.int32, device=device)
+        counters = _COUNTERS[device] = torch.zeros(COUNTER_TILES, dtype=torch.int32, device=device)
+    return counters
 
 
 def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int) -> torch.Tensor:
     """Weight-only dequantisation in the kernel; bf16 x bf16 tensor-core products (any M).
 
-    Few row tiles (decode): one program per K chunk, then a fixed-order chunk sum; many row
-    tiles: each program runs all chunks. Both give the same bits (see `_w8a16_kernel`)."""
+    Calls with few output tiles (decode) run one program per K chunk; larger ones one program
+    per tile over all chunks. Both give the same bits (see `_w8a16_kernel`)."""
     x2, lead, w_scale = _check(x, w, w_scale, block)
     m, k = x2.shape
     n = w.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
-    bm = 16 if m <= 64 else 64
-    bn, bk = W8A16_BLOCK_N, min(block, W8A16_BLOCK_K)
-    per, chunks = w8a16_chunks(n, k, block, x.device)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = chunks if chunks > 1 and tiles < num_sms(x.device) else 1
+    cfg = w8a16_config(m)
+    bn, bt, bk = cfg["BLOCK_N"], cfg["BLOCK_T"], cfg["BLOCK_K"]
+    if bk < min(block, 32) or CHUNK_ALIGN % bk:
+        raise ValueError(f"fp8_linear_w8a16: BLOCK_K {bk} must be a power of two in [{min(block, 32)}, {CHUNK_ALIGN}]")
+    bad = wgmma_tile_error(bn, bt, cfg["num_warps"])
+    if bad:
+        raise ValueError(f"fp8_linear_w8a16: {bad}")
+    chunk_k = w8a16_chunk_k(n, k, block, x.device)
+    chunks = triton.cdiv(k, chunk_k)
+    tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
+    split = chunks > 1 and tiles < W8A16["SPLIT_TILES_PER_SM"] * num_sms(x.device) and tiles <= COUNTER_TILES
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    _w8a16_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
-        x2, w, w_scale, part, m, n, k,
-        x2.stride(0), w.stride(0), w_scale.stride(0), n, m * n,
-        triton.cdiv(k, bk), per, chunks // split, QBLOCK=block, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4 if bm == 16 else 8, num_stages=6 if bm == 16 else 4,
+    part = torch.empty(chunks if split else 0, m, n, dtype=torch.float32, device=x.device)
+    _w8a16_kernel[(tiles, chunks if split else 1)](
+        x2, w, w_scale, out, part, _tile_counters(x.device, split), m, n, k, chunk_k,
+        x2.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
+        SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx_convert(x.device), LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if split > 1:
-        _chunk_sum_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, split, BLOCK=1024, num_warps=4)
     return out.view(*lead, n)
 
 
@@ -229,8 +422,8 @@ def on_gpu() -> bool:
 
 def w8a8_configs(gpu: bool) -> list:
     """Tile shapes for the FP8 GEMM, autotuned once per (N, K, row class) on the device (one
-    small tile in the interpreter). All 8 warps with 32-wide K steps: with 4 warps or 64/128
-    wide steps ptxas spills on sm_90 (128 x 128 still spills a little; kept: it may win)."""
+    small tile in the interpreter). All 8 warps with 32-wide K steps; none spills on sm_90
+    when compiled with the launch's 16-byte alignment (scripts/check_kernels.py --compile-only)."""
     if not gpu:
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 4}, num_warps=4, num_stages=2)]
     return [
@@ -266,7 +459,7 @@ def _w8a8_kernel(
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    a_rows = a_ptr + rm[:, None] * stride_am
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am  # int64 rows: M x N passes 2**31 at 64K-token batches
     w_rows = w_ptr + rn[:, None] * stride_wn
     as_rows = as_ptr + rm * stride_asm
     ws_rows = ws_ptr + (rn // QBLOCK) * stride_wsn
@@ -280,7 +473,7 @@ def _w8a8_kernel(
         sa = e8m0_to_fp32(tl.load(as_rows + kb, mask=m_ok, other=0))
         sw = e8m0_to_fp32(tl.load(ws_rows + kb, mask=n_ok, other=0))
         acc += tl.dot(a, tl.trans(w)) * sa[:, None] * sw[None, :]
-    out = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
 
 

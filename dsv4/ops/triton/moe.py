@@ -15,18 +15,22 @@ bytes, one per 32 inputs of a row — the exact FP4 -> FP8 conversion of the rel
 experts in ascending expert id, as the reference accumulates. (V4's reference accumulates in
 bf16; here the sum is fp32 and the caller casts.)
 
-How: (token, slot) pairs are sorted by expert with torch ops and laid out in per-expert
-segments padded to the row tile, so every row tile of the grouped GEMMs belongs to one expert;
-the padded layout's size is bounded from the shapes alone (no host sync, CUDA-graph safe), and
-tiles past the end exit at once. Kernel 1 gathers the token rows, multiplies by the gate and up
-rows of its expert (bf16 tensor cores, FP8 weights converted in registers, scale per 32 inputs
-applied to each 32-wide partial product), rounds both to bf16 as the reference's linears do,
-clamps, applies silu(gate) * up (and the routing weight) and stores bf16 activations. Kernel 2
-multiplies them by the expert's down weight and writes one bf16 row per (token, slot); kernel 3
-sums the k rows of a token in fp32. No atomics, and a token's rows never mix with other
-tokens' in any sum, so results change neither from run to run nor with the batch (batch
-invariance; the row tile, chosen from the mean rows per expert, is checked on the device not to
-change the bits).
+How: the (token, slot) pairs are laid out by expert in segments padded to the row tile, so
+that every row tile of the grouped GEMMs belongs to one expert. Up to `MOE["ALIGN_MAX_PAIRS"]`
+pairs (decode) one Triton program builds that layout (a counting sort: one launch instead of
+about twenty small torch ops, whose launch gaps at T=1 are comparable to the ~50 us that six
+experts' weights take to stream); above, torch ops do. The padded layout's size is bounded
+from the shapes alone (no host sync, CUDA-graph safe) and tiles past the end exit at once.
+Kernel 1 gathers the token
+rows and multiplies them by the gate and up rows of its expert — each program streams one
+slab of BLOCK_N rows of one expert over all of D for the <= BLOCK_T pairs of its tile, the
+FP8 weights dequantised exactly in registers (`fp8_gemm.dequant_rows`), one MMA chain over D
+— rounds both to bf16 as the reference's linears do, clamps, applies silu(gate) * up (and the
+routing weight) and stores bf16 activations. Kernel 2 multiplies them by the expert's down
+weight and writes one bf16 row per (token, slot); kernel 3 sums the k rows of a token in fp32
+in ascending expert id (it ranks the token's slots itself, so the routing needs no sort). No
+atomics, and a token's rows never mix with other tokens' in any sum, so results change neither
+from run to run nor with the batch (batch invariance; no tile knob changes a row's bits).
 
 Activations stay bf16 (HF's numerics; no FP8 activation quantisation). Expert ids must be in
 [0, E) (no expert-parallel "not local" marker yet).
@@ -38,51 +42,146 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import e8m0_to_fp32
+from dsv4.ops.triton.fp8_gemm import dequant_rows, ptx_convert, wgmma_tile_error
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
+_PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads constexpr globals only)
+
+# Knobs (scripts/check_kernels.py's `gemm_sweep` section times alternatives on the device).
+# Both GEMMs compute their tiles transposed, the expert's weight rows as the wgmma's M and the
+# tile's pairs as its N, for the reason `fp8_gemm.W8A16` gives: every row class then issues
+# the same instruction (wgmma m64nBLOCK_Tk16, dequantised weights as the register operand, K
+# in natural order), where pair tiles of 16 or 32 as M would run on mma.sync, which need not
+# round like the wgmma of the larger classes — and a token's bits would follow the load.
+# "rows": by the mean pairs per expert (pairs / experts, up to `max_mean`; None: any), the
+#   row tile BLOCK_T (pairs per tile, the wgmma's N: 16 .. 256, a multiple of 16; an expert
+#   with more pairs takes several tiles and reads its weights once per tile) and per kernel
+#   BLOCK_N weight rows per program (gate_up: BLOCK_N gate rows and BLOCK_N up rows; a
+#   multiple of 16 x num_warps), BLOCK_K inputs per pipelined step (a multiple of 32), warps
+#   and pipeline depth. A row's bits depend on none of them.
+# "ALIGN_MAX_PAIRS": up to this many (token, slot) pairs the expert layout is built by one
+#   Triton program (its time grows with the pairs), above by torch's sort.
+MOE = {
+    "rows": (
+        (4, {
+            "BLOCK_T": 16,
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+        }),
+        (16, {
+            "BLOCK_T": 32,
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+        }),
+        (48, {
+            "BLOCK_T": 64,
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+        }),
+        (None, {
+            "BLOCK_T": 128,  # gate_up: two [64, 128] fp32 accumulators, 243 registers at 4 warps
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+        }),
+    ),
+    "ALIGN_MAX_PAIRS": 4096,
+}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "n_experts", "n_tiles"])
+def _align_kernel(
+    ids_ptr, rows_ptr, tile_expert_ptr, n_pairs, n_experts, n_tiles,
+    BLOCK_T: tl.constexpr, E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, FILL: tl.constexpr,
+):
+    """One program: the pairs' expert layout of `align_by_expert`, by counting sort.
+
+    Pass 1 counts pairs per expert; each expert's segment starts at the tile after the
+    previous expert's (an exclusive cumsum of tiles per expert). Pass 2 places each pair at
+    its expert's start + the number of earlier pairs of that expert (stable: pair order)."""
+    e = tl.arange(0, E_BLOCK)
+    counts = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for p0 in range(0, n_pairs, P_BLOCK):
+        p = p0 + tl.arange(0, P_BLOCK)
+        ids = tl.load(ids_ptr + p, mask=p < n_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[None, :] == e[:, None]).to(tl.int32), axis=1)
+    tiles = (counts + BLOCK_T - 1) // BLOCK_T
+    first_tile = tl.cumsum(tiles, axis=0) - tiles
+    # padding rows and tiles past the used ones first; the barrier orders these stores before
+    # the ones below that overwrite some of them
+    for r0 in range(0, n_tiles * BLOCK_T, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(rows_ptr + r, tl.zeros((FILL,), dtype=tl.int32) + n_pairs, mask=r < n_tiles * BLOCK_T)
+    for g0 in range(0, n_tiles, FILL):
+        g = g0 + tl.arange(0, FILL)
+        tl.store(tile_expert_ptr + g, tl.zeros((FILL,), dtype=tl.int32) + n_experts, mask=g < n_tiles)
+    tl.debug_barrier()
+    for j in range(0, tl.max(tiles, axis=0)):
+        tl.store(tile_expert_ptr + first_tile + j, e, mask=j < tiles)
+    start = first_tile * BLOCK_T
+    seen = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for p0 in range(0, n_pairs, P_BLOCK):
+        i = tl.arange(0, P_BLOCK)
+        p = p0 + i
+        ids = tl.load(ids_ptr + p, mask=p < n_pairs, other=-1).to(tl.int32)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [P_BLOCK, E_BLOCK]
+        earlier = ((ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])).to(tl.int32)
+        dest = tl.sum(onehot * (start + seen)[None, :], axis=1) + tl.sum(earlier, axis=1)
+        tl.store(rows_ptr + dest, p, mask=p < n_pairs)
+        seen += tl.sum(onehot, axis=0)
+
+
+@triton.jit(do_not_specialize=["n_pairs", "n_experts"])
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, rows_ptr, tile_expert_ptr, rw_ptr, act_ptr,
     n_pairs, n_experts, D, I,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_act,
     limit,
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
 ):
-    """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight)."""
-    pid_m = tl.program_id(0)
+    """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
+    transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`)."""
+    pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_m)
+    # int64: an expert's offset e * stride_we passes 2**31 from expert 91 on at V4.1's shapes
+    # (w13: 2 * 2304 * 5120 bytes per expert), and the launch passes the stride as i32 (its
+    # value fits); in int32 the product wraps, and the program reads another expert's rows or
+    # faults. The activation rows get int64 offsets for the same reason at large prefill chunks.
+    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
     if e >= n_experts:
         return
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     pair = tl.load(rows_ptr + offs)
     valid = pair < n_pairs
     token = pair // TOPK
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < I
-    rk = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + token[:, None] * stride_x
+    rp = tl.arange(0, _PIECE)
+    x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
     gate_rows = w_ptr + e * stride_we + rn[:, None] * stride_wn
     up_rows = gate_rows + I * stride_wn
     gate_scales = s_ptr + e * stride_se + rn * stride_sn
     up_scales = gate_scales + I * stride_sn
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(tl.cdiv(D, BLOCK_K)):
-        k = step * BLOCK_K + rk
-        k_ok = k < D
-        x = tl.load(x_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        wg = tl.load(gate_rows + k[None, :], mask=w_ok, other=0.0).to(tl.bfloat16)
-        wu = tl.load(up_rows + k[None, :], mask=w_ok, other=0.0).to(tl.bfloat16)
-        sg = e8m0_to_fp32(tl.load(gate_scales + step, mask=n_ok, other=0))
-        su = e8m0_to_fp32(tl.load(up_scales + step, mask=n_ok, other=0))
-        acc_gate += tl.dot(x, tl.trans(wg)) * sg[None, :]
-        acc_up += tl.dot(x, tl.trans(wu)) * su[None, :]
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // _PIECE):
+            k = k0 + j * _PIECE + rp
+            kb = (k0 + j * _PIECE) // _PIECE
+            if EVEN_K:
+                x = tl.load(x_rows + k[None, :], mask=valid[:, None], other=0.0)
+                wg = tl.load(gate_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+                wu = tl.load(up_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+                sg = tl.load(gate_scales + kb, mask=n_ok, other=0)
+                su = tl.load(up_scales + kb, mask=n_ok, other=0)
+            else:  # a piece past D (zeros) takes the row's last scale: there is no column there
+                x = tl.load(x_rows + k[None, :], mask=valid[:, None] & (k < D)[None, :], other=0.0)
+                wg = tl.load(gate_rows + k[None, :], mask=n_ok[:, None] & (k < D)[None, :], other=0.0)
+                wu = tl.load(up_rows + k[None, :], mask=n_ok[:, None] & (k < D)[None, :], other=0.0)
+                sg = tl.load(gate_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0)
+                su = tl.load(up_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0)
+            acc_gate = tl.dot(dequant_rows(wg, sg, PTX), tl.trans(x), acc_gate)
+            acc_up = tl.dot(dequant_rows(wu, su, PTX), tl.trans(x), acc_up)
     gate = acc_gate.to(tl.bfloat16).to(tl.float32)
     up = acc_up.to(tl.bfloat16).to(tl.float32)
     if HAS_LIMIT:
@@ -90,89 +189,113 @@ def _gate_up_kernel(
         gate = tl.minimum(gate, limit)
     act = gate * tl.sigmoid(gate) * up
     if WEIGHT_BEFORE_DOWN:
-        act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[:, None]
-    tl.store(act_ptr + offs[:, None] * stride_act + rn[None, :], act.to(tl.bfloat16), mask=valid[:, None] & n_ok[None, :])
+        act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[None, :]
+    tl.store(act_ptr + offs.to(tl.int64)[None, :] * stride_act + rn[:, None], act.to(tl.bfloat16), mask=n_ok[:, None] & valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "n_experts"])
 def _down_kernel(
     act_ptr, w_ptr, s_ptr, rows_ptr, tile_expert_ptr, rw_ptr, y_ptr,
     n_pairs, n_experts, D, I,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     WEIGHT_BEFORE_DOWN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
 ):
-    """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16)."""
-    pid_m = tl.program_id(0)
+    """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16),
+    computed transposed like `_gate_up_kernel`."""
+    pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_m)
+    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)  # int64 offsets: see _gate_up_kernel
     if e >= n_experts:
         return
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     pair = tl.load(rows_ptr + offs)
     valid = pair < n_pairs
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < D
-    rk = tl.arange(0, BLOCK_K)
-    a_rows = act_ptr + offs[:, None] * stride_act
+    rp = tl.arange(0, _PIECE)
+    a_rows = act_ptr + offs.to(tl.int64)[:, None] * stride_act
     w_rows = w_ptr + e * stride_we + rn[:, None] * stride_wn
     scales = s_ptr + e * stride_se + rn * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(tl.cdiv(I, BLOCK_K)):
-        k = step * BLOCK_K + rk
-        k_ok = k < I
-        a = tl.load(a_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.bfloat16)
-        s = e8m0_to_fp32(tl.load(scales + step, mask=n_ok, other=0))
-        acc += tl.dot(a, tl.trans(w)) * s[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // _PIECE):
+            k = k0 + j * _PIECE + rp
+            kb = (k0 + j * _PIECE) // _PIECE
+            if EVEN_K:
+                a = tl.load(a_rows + k[None, :], mask=valid[:, None], other=0.0)
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+                s = tl.load(scales + kb, mask=n_ok, other=0)
+            else:  # as in _gate_up_kernel
+                a = tl.load(a_rows + k[None, :], mask=valid[:, None] & (k < I)[None, :], other=0.0)
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < I)[None, :], other=0.0)
+                s = tl.load(scales + tl.minimum(kb, I // _PIECE - 1), mask=n_ok, other=0)
+            acc = tl.dot(dequant_rows(w, s, PTX), tl.trans(a), acc)
     y = acc.to(tl.bfloat16)
     if not WEIGHT_BEFORE_DOWN:
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
-        y = (y.to(tl.float32) * rw[:, None]).to(tl.bfloat16)
-    tl.store(y_ptr + pair[:, None] * stride_y + rn[None, :], y, mask=valid[:, None] & n_ok[None, :])
+        y = (y.to(tl.float32) * rw[None, :]).to(tl.bfloat16)
+    tl.store(y_ptr + pair.to(tl.int64)[None, :] * stride_y + rn[:, None], y, mask=n_ok[:, None] & valid[None, :])
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, D, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = ((0 + y[t, 0]) + y[t, 1]) + ... in fp32: the slots are in ascending expert id,
-    the order the reference adds experts in."""
+def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = ((0 + y[t, s_0]) + y[t, s_1]) + ... in fp32, s_0, s_1, ... the token's slots in
+    ascending expert id (ties in slot order): the order the reference adds experts in."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
+    j = tl.arange(0, K_BLOCK)
+    ids = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=0).to(tl.int64)
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]))
+    rank = tl.sum((before & (j < TOPK)[None, :]).to(tl.int32), axis=1)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in range(TOPK):
-        total += tl.load(y_ptr + (t * TOPK + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
+    for r in tl.static_range(TOPK):
+        slot = tl.sum(tl.where((rank == r) & (j < TOPK), j, 0), axis=0)
+        total += tl.load(y_ptr + (t * TOPK + slot) * D + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * D + cols, total, mask=ok)
 
 
-def _row_tile(pairs: int, experts: int) -> int:
-    """Row tile of the grouped GEMMs from the mean rows per expert: 16 in decode (about one row
-    per expert; a 64-row MMA per weight tile would outlast the weight's load), 64 in prefill
-    (each weight tile serves more rows). A row's bits do not depend on the tile's other rows."""
-    return 16 if pairs <= 8 * experts else 64
+def moe_config(pairs: int, experts: int) -> dict:
+    """The knobs of the first row class that holds the mean pairs per expert."""
+    for max_mean, cfg in MOE["rows"]:
+        if max_mean is None or pairs <= max_mean * experts:
+            return cfg
+    raise ValueError("MOE['rows'] must end with a class for any load (max_mean None)")
 
 
 def align_by_expert(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, slot) pairs grouped by expert in segments padded to `block_m` rows.
 
-    -> rows [n_tiles * block_m] (pair index, or n_pairs for padding), tile_expert [n_tiles]
-    (expert of each row tile; n_experts for tiles past the end). n_tiles is an upper bound
-    from the shapes (every used expert wastes < block_m rows), so nothing syncs with the host."""
+    -> rows int32 [n_tiles * block_m] (pair index, or n_pairs for padding), tile_expert int32
+    [n_tiles] (expert of each row tile; n_experts for tiles past the end). n_tiles is an upper
+    bound from the shapes (every used expert wastes < block_m rows), so nothing syncs with the
+    host. Pairs of one expert keep their order."""
     n = flat_ids.numel()
     dev = flat_ids.device
+    n_tiles = triton.cdiv(n, block_m) + min(n_experts, n)
+    rows = torch.empty(n_tiles * block_m, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    if n <= MOE["ALIGN_MAX_PAIRS"]:
+        e_block = triton.next_power_of_2(n_experts)
+        p_block = max(16, min(64, 8192 // e_block))
+        _align_kernel[(1,)](
+            flat_ids, rows, tile_expert, n, n_experts, n_tiles,
+            BLOCK_T=block_m, E_BLOCK=e_block, P_BLOCK=p_block, FILL=1024, num_warps=8 if e_block >= 256 else 4,
+        )
+        return rows, tile_expert
     counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    counts.scatter_add_(0, flat_ids.long(), torch.ones(n, dtype=torch.int64, device=dev))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = padded.cumsum(0)
     pad_start = pad_end - padded
     start = counts.cumsum(0) - counts
-    sorted_ids, order = flat_ids.sort(stable=True)
+    sorted_ids, order = flat_ids.long().sort(stable=True)
     dest = pad_start[sorted_ids] + torch.arange(n, device=dev) - start[sorted_ids]
-    n_tiles = triton.cdiv(n, block_m) + min(n_experts, n)
-    rows = torch.full((n_tiles * block_m,), n, dtype=torch.int64, device=dev)
-    rows[dest] = order
+    rows.fill_(n)
+    rows[dest] = order.to(torch.int32)
     tile_start = torch.arange(n_tiles, device=dev) * block_m
-    tile_expert = torch.searchsorted(pad_end, tile_start, right=True)
+    tile_expert.copy_(torch.searchsorted(pad_end, tile_start, right=True))
     return rows, tile_expert
 
 
@@ -201,38 +324,43 @@ def moe_experts(
         raise ValueError("moe_experts: scale shapes must be [E, rows, inputs/32]")
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("moe_experts: expert weights must be row-major (last stride 1)")
+    n_pairs = t * topk
+    if n_pairs == 0:  # no tokens, or k = 0
+        return torch.zeros(t, d, dtype=torch.float32, device=x.device)
     w13_scale = w13_scale.view(torch.uint8).contiguous()
     w2_scale = w2_scale.view(torch.uint8).contiguous()
     x = x.contiguous()
-    # Slots in ascending expert id per token: the final sum then adds experts in that order.
-    ids, perm = topk_ids.sort(dim=1)
-    weights = topk_weights.float().gather(1, perm).contiguous()
-    flat = ids.flatten().long()
-    n_pairs = flat.numel()
-    if n_pairs == 0:  # no tokens, or k = 0
-        return torch.zeros(t, d, dtype=torch.float32, device=x.device)
-    bm = _row_tile(n_pairs, n_experts)
-    rows, tile_expert = align_by_expert(flat, n_experts, bm)
+    ids = topk_ids.contiguous()
+    weights = topk_weights.float().contiguous()  # pair p = token * k + slot, as the rows index it
+    cfg = moe_config(n_pairs, n_experts)
+    bt, gu, dn = cfg["BLOCK_T"], cfg["gate_up"], cfg["down"]
+    if gu["BLOCK_K"] % SCALE_BLOCK or dn["BLOCK_K"] % SCALE_BLOCK:
+        raise ValueError(f"moe_experts: BLOCK_K must be a multiple of {SCALE_BLOCK}")
+    bad = wgmma_tile_error(gu["BLOCK_N"], bt, gu["num_warps"]) or wgmma_tile_error(dn["BLOCK_N"], bt, dn["num_warps"])
+    if bad:
+        raise ValueError(f"moe_experts: {bad}")
+    rows, tile_expert = align_by_expert(ids.view(-1), n_experts, bt)
     n_tiles = tile_expert.numel()
-    act = torch.empty(n_tiles * bm, inter, dtype=torch.bfloat16, device=x.device)
+    act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
-    bn = 64
-    warps = 4 if bm == 16 else 8  # 64-row tiles spill registers with 4 warps (ptxas, sm_90)
-    _gate_up_kernel[(n_tiles, triton.cdiv(inter, bn))](
+    ptx = ptx_convert(x.device)
+    _gate_up_kernel[(n_tiles, triton.cdiv(inter, gu["BLOCK_N"]))](
         x, w13, w13_scale, rows, tile_expert, weights, act,
         n_pairs, n_experts, d, inter,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
         float(limit),
         TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=SCALE_BLOCK, num_warps=warps, num_stages=4,
+        BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
+        num_warps=gu["num_warps"], num_stages=gu["num_stages"],
     )
-    _down_kernel[(n_tiles, triton.cdiv(d, bn))](
+    _down_kernel[(n_tiles, triton.cdiv(d, dn["BLOCK_N"]))](
         act, w2, w2_scale, rows, tile_expert, weights, y,
         n_pairs, n_experts, d, inter,
         act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
         WEIGHT_BEFORE_DOWN=weight_before_down,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=SCALE_BLOCK, num_warps=warps, num_stages=4,
+        BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"],
     )
     out = torch.empty(t, d, dtype=torch.float32, device=x.device)
-    _sum_slots_kernel[(t, triton.cdiv(d, 1024))](y, out, d, TOPK=topk, BLOCK=1024, num_warps=4)
+    _sum_slots_kernel[(t, triton.cdiv(d, 1024))](y, ids, out, d, TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, num_warps=4)
     return out

@@ -1,0 +1,86 @@
+"""Sparse MQA attention of the fast path: one softmax per query over its window keys (the FP8
+ring below the step's first position, the step's own keys from there on) and its selected
+compressed entries (FP4, paged), with the per-head sink in the denominator; K = V.
+
+`sparse_attention` runs the Triton kernel (dsv4.ops.triton.attention, whose docstring gives
+the layouts) on CUDA bf16 tensors and the torch reference elsewhere (CPU runs of the fast
+path, and the kernel's test oracle). Same signature, same numerics: logits rounded to the
+activation dtype, fp32 softmax, probabilities rounded before multiplying V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.cache.storage import CKV_BLOCK, FP8_BLOCK
+from dsv4.model import quant
+from dsv4.ops import on_triton
+
+
+def sparse_attention(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale: float) -> torch.Tensor:
+    """q [T, H, D] (after RoPE); kv_new [T, D] this step's window keys (FP8-rounded); ring
+    FP8 codes [S, W, D] + ue8m0 bytes [S, W, D/32]; compressed KV packed FP4 [NB, P, D/2] +
+    E4M3 scales [NB, P, D/16]; topk [T, k] selected entries (-1 = none; k may be 0);
+    token_req [T]; positions [T]; per request: start_pos, row_start (first row), slots,
+    floors (window keys below are invisible); block_tables [B, max_blocks]; sink fp32 [H].
+    -> [T, H, D] in q's dtype."""
+    if on_triton(q) and q.dtype == torch.bfloat16:
+        from dsv4.ops.triton.attention import sparse_attention as kernel
+
+        return kernel(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale)
+    return sparse_attention_reference(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale)
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,
+    kv_new: torch.Tensor,
+    ring_codes: torch.Tensor,
+    ring_scales: torch.Tensor,
+    ckv_codes: torch.Tensor,
+    ckv_scales: torch.Tensor,
+    topk: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    start_pos: torch.Tensor,
+    row_start: torch.Tensor,
+    slots: torch.Tensor,
+    floors: torch.Tensor,
+    block_tables: torch.Tensor,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """Torch reference of `sparse_attention` (same signature; `chunk` bounds the gathered keys'
+    memory): gathers and dequantises every key a query may see, then computes the softmax of
+    `Attention._attend` — bf16 logits, fp32 softmax with the sink column, bf16 probabilities."""
+    t, h, dim = q.shape
+    window, per_block = ring_codes.shape[1], ckv_codes.shape[1]
+    out = torch.empty(t, h, dim, dtype=q.dtype, device=q.device)
+    offs = torch.arange(window, device=q.device)
+    for c0 in range(0, t, chunk):
+        rows = slice(c0, min(c0 + chunk, t))
+        req = token_req[rows].long()
+        pos = positions[rows].long()
+        start, row0 = start_pos.long()[req], row_start.long()[req]
+        kpos = pos[:, None] - (window - 1) + offs  # [n, W]
+        valid = kpos >= floors.long()[req].clamp_min(0)[:, None]
+        in_ring = valid & (kpos < start[:, None])
+        ring_idx = (slots.long()[req][:, None], kpos.clamp_min(0) % window)
+        ring = quant.dequantize_fp8_ue8m0(ring_codes[ring_idx], ring_scales.view(torch.uint8)[ring_idx], q.dtype, FP8_BLOCK)
+        new_row = (row0[:, None] + kpos - start[:, None]).clamp(0, t - 1)
+        keys = torch.where(in_ring[..., None], ring, kv_new[new_row])
+        entries = topk[rows].long()
+        if entries.shape[1]:
+            safe = entries.clamp_min(0)
+            blocks = block_tables.long()[req[:, None], safe // per_block]
+            loc = (blocks, safe % per_block)
+            comp = quant.dequantize_fp4(ckv_codes[loc], ckv_scales[loc], q.dtype, CKV_BLOCK)
+            keys = torch.cat([keys, comp], dim=1)
+            valid = torch.cat([valid, entries >= 0], dim=1)
+        keys = keys.masked_fill(~valid[..., None], 0)  # unwritten cache bytes may decode to NaN
+        logits = (torch.einsum("nhd,nkd->nhk", q[rows], keys) * softmax_scale).float()
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        sinks = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+        out[rows] = torch.einsum("nhk,nkd->nhd", probs, keys)
+    return out

@@ -1,0 +1,305 @@
+"""Manifold-constrained hyper-connections on Triton (H200 fast path).
+
+Same semantics as the torch references in `dsv4.ops.mhc` (which dispatch here for CUDA bf16
+streams): x is [T, hc, D] bf16 (hc a power of two), every mix is fp32.
+
+* `hc_mixes`: per row, the RMS statistic over all hc*D values, m = flat @ fn^T (fn fp32
+  [(2+hc)*hc, hc*D]), the pre/post sigmoids and comb's softmax + Sinkhorn. Two launches:
+  a GEMM kernel (bf16 tensor cores at fp32 accuracy, the sum of squares riding along in a spare
+  output column) and an epilogue kernel. The rsqrt is applied to the product (m * rsqrt)
+  rather than to x, as DeepSeek's reference does: same math, x stays exact in bf16.
+
+  fp32 accuracy without tf32: x is exact in bf16 and fn is split in registers into three bf16
+  parts, fn = hi + mid + lo, exactly (each part takes the next 8 significant bits of the
+  remainder, and the remainders are exact in fp32), so the three bf16 products accumulated in
+  fp32 are an fp32 GEMM up to the accumulation order. The tensor cores add each MMA's products
+  to the accumulator with truncation at the accumulator's exponent (round toward zero, not
+  IEEE), so each BLOCK_K step's product is formed from zero (lo, mid, then hi) and added to
+  the running sum with an fp32 add: the truncation then acts at the scale of one step's
+  product, with its sign random across steps, instead of at the scale of the chunk's running
+  sum, always toward zero (measured on the H200 with the chained accumulator: 2-5x the fp32
+  reference's error at T <= 256).
+
+  Batch invariance: K is cut into chunks of CONFIG["CHUNK"] inputs, fixed by K alone. Each
+  chunk is summed on its own and the chunk sums are added in order to a zero total — either in
+  the GEMM program that runs all chunks of a row tile (many row tiles: prefill), or one program
+  per chunk writes its sum and the epilogue adds them in the same order (few row tiles: decode,
+  filling the SMs). Same bits either way, so a row's mixes do not depend on the batch; both
+  modes end in the same epilogue code, whose per-row math never mixes rows.
+* `hc_collapse` (and `hc_collapse_norm` = collapse then `rms_norm`): sum_k pre_k * x_k in fp32,
+  rounded to bf16 (then the RMSNorm of `ops.norm.rms_norm` with either weight rounding); one
+  program per row.
+* `hc_expand` (V4.1's fp32 variant): out_k = post_k * y + sum_j comb[j, k] * residual_j in
+  fp32, rounded once; programs over (row, column tile).
+
+Collapse and expand are compiled without fp contraction: each product is rounded before it is
+added, in the reference's order, as torch computes them. The epilogue uses IEEE divisions, a
+correctly rounded rsqrt and an exp whose error does not grow with the argument (`_exp`), so
+pre/post/comb agree with the reference at fp32 rounding level (the device check's rule: against
+fp64, within 2x the fp32 torch reference's own error). Everything is sized from shapes only (no
+host sync): the calls can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.triton.fp8_gemm import num_sms
+
+# GEMM tiling: rows per program (fixed for every T: a row's product must not depend on its
+# batch), K step, chunk (the unit of the split and of the fixed-order chunk sum; 40 chunks at
+# hc*D = 20480: enough programs for decode, and in split mode the partial sums write 1/8 of
+# x's bytes and read them back); the epilogue's rows per program. 8 warps: with 4, ptxas needs
+# 255 registers and spills on sm_90 (x is both a tensor-core operand and squared in
+# registers). check_kernels.py times alternatives.
+CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 512, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 32}
+# Columns per program of `hc_expand`.
+EXPAND_BLOCK_D = 1024
+
+LOG2E = tl.constexpr(1.4426950216293335)  # fp32(log2(e)), exactly
+LOG2E_LO = tl.constexpr(1.92596298909109e-08)  # log2(e) - fp32(log2(e))
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _exp(x):
+    """e**x within a few ulps for any x: exp2 of x * log2(e) with that product's rounding error
+    (recovered by an fma) folded back in; `tl.exp` drops it, an error of |x| * 2**-24."""
+    y = x * LOG2E
+    y_lo = tl.fma(x, LOG2E, -y) + x * LOG2E_LO
+    return tl.exp2(y) * (1.0 + y_lo * LN2)
+
+
+@triton.jit
+def _sigmoid(z):
+    return tl.math.div_rn(1.0, 1.0 + _exp(-z))
+
+
+@triton.jit
+def _mixes_gemm_kernel(
+    x_ptr, fn_ptr, part_ptr,
+    T, N, K, stride_x, stride_fn, stride_part,
+    K_STEPS, CHUNK_STEPS, CHUNKS_PER_PROGRAM,
+    NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """part[pid_c, rows, :N] = sum over this program's chunks of x @ fn^T, part[..., N] = sum x^2.
+
+    Each chunk's sum starts from zero and is added to the running total, in chunk order."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rn = tl.arange(0, NP)
+    rk = tl.arange(0, BLOCK_K)
+    t_ok = rt < T
+    n_ok = rn < N
+    x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_x
+    fn_rows = fn_ptr + rn[:, None] * stride_fn
+    total = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+    first = pid_c * CHUNKS_PER_PROGRAM
+    for chunk in range(first, first + CHUNKS_PER_PROGRAM):
+        acc = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for step in range(chunk * CHUNK_STEPS, tl.minimum(chunk * CHUNK_STEPS + CHUNK_STEPS, K_STEPS)):
+            k = step * BLOCK_K + rk
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(fn_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            hi = w.to(tl.bfloat16)
+            rest = w - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            # The step's product starts from zero, smallest part first, and joins acc by an
+            # fp32 add: the tensor cores truncate each MMA's sum at the accumulator's
+            # magnitude, so chaining acc through them would bias every chunk toward zero.
+            prod = tl.dot(x, tl.trans(lo))
+            prod = tl.dot(x, tl.trans(mid), prod)
+            acc += tl.dot(x, tl.trans(hi), prod)
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=1)
+        total += tl.where(rn[None, :] == N, sq[:, None], acc)
+    out = part_ptr + pid_c * stride_part + rt.to(tl.int64)[:, None] * NP + rn[None, :]
+    tl.store(out, total, mask=t_ok[:, None])
+
+
+@triton.jit
+def _mixes_epilogue_kernel(
+    part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+    T, K, stride_part, iters, norm_eps, hc_eps,
+    CHUNKS: tl.constexpr, HC: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Chunk sums added in order, then pre = sigmoid(m * rsqrt * s0 + b) + eps, post = 2 *
+    sigmoid(...), comb = Sinkhorn(softmax(...)) exactly as `ops.mhc.hc_mixes` orders them."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = rt < T
+    h = tl.arange(0, HC)
+    rows = part_ptr + rt.to(tl.int64) * NP
+    vec = rows[:, None] + h[None, :]  # [BLOCK_T, HC] offsets of a row's first HC mixes
+    mat = rows[:, None, None] + h[None, :, None] * HC + h[None, None, :]  # [BLOCK_T, HC, HC]
+    ok2 = t_ok[:, None]
+    ok3 = t_ok[:, None, None]
+    m_pre = tl.zeros((BLOCK_T, HC), dtype=tl.float32)
+    m_post = tl.zeros((BLOCK_T, HC), dtype=tl.float32)
+    m_comb = tl.zeros((BLOCK_T, HC, HC), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):  # unrolled: every chunk's loads issue at once
+        off = c * stride_part
+        m_pre += tl.load(vec + off, mask=ok2, other=0.0)
+        m_post += tl.load(vec + off + HC, mask=ok2, other=0.0)
+        m_comb += tl.load(mat + off + 2 * HC, mask=ok3, other=0.0)
+        sq += tl.load(rows + off + (2 + HC) * HC, mask=t_ok, other=0.0)
+    r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sq, K.to(tl.float32)) + norm_eps))  # Triton's `/` and rsqrt are approximate
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    pre = _sigmoid(m_pre * r[:, None] * s0 + tl.load(base_ptr + h)[None, :]) + hc_eps
+    post = 2.0 * _sigmoid(m_post * r[:, None] * s1 + tl.load(base_ptr + HC + h)[None, :])
+    logits = m_comb * r[:, None, None] * s2 + tl.load(base_ptr + 2 * HC + h[:, None] * HC + h[None, :])[None, :, :]
+    e = _exp(logits - tl.max(logits, axis=2)[:, :, None])
+    comb = tl.math.div_rn(e, tl.sum(e, axis=2)[:, :, None]) + hc_eps
+    comb = tl.math.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    for _ in range(iters - 1):
+        comb = tl.math.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = tl.math.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    out_vec = rt.to(tl.int64)[:, None] * HC + h[None, :]
+    tl.store(pre_ptr + out_vec, pre, mask=ok2)
+    tl.store(post_ptr + out_vec, post, mask=ok2)
+    out_mat = rt.to(tl.int64)[:, None, None] * (HC * HC) + h[None, :, None] * HC + h[None, None, :]
+    tl.store(comb_ptr + out_mat, comb, mask=ok3)
+
+
+def mixes_chunks(k: int) -> tuple[int, int]:
+    """(K steps per chunk, chunks) for hc*D = k inputs: from K and the config only."""
+    steps = triton.cdiv(k, CONFIG["BLOCK_K"])
+    per = max(1, CONFIG["CHUNK"] // CONFIG["BLOCK_K"])
+    return per, triton.cdiv(steps, per)
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """`ops.mhc.hc_mixes` for bf16 x [T, hc, D]: -> pre [T, hc], post [T, hc], comb [T, hc, hc].
+
+    The split (one program per chunk) is used when the row tiles alone would leave at least
+    half of the SMs idle; both modes give the same bits."""
+    t = x.shape[0]
+    k = x.shape[1] * x.shape[2]
+    n = (2 + hc) * hc
+    np_ = triton.next_power_of_2(n + 1)  # column n carries the sum of squares
+    pre = torch.empty(t, hc, dtype=torch.float32, device=x.device)
+    post = torch.empty(t, hc, dtype=torch.float32, device=x.device)
+    comb = torch.empty(t, hc, hc, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return pre, post, comb
+    x2 = x.reshape(t, k)
+    fn = fn.contiguous()
+    bt = CONFIG["BLOCK_T"]
+    per, chunks = mixes_chunks(k)
+    tiles = triton.cdiv(t, bt)
+    split = chunks if 2 * tiles <= num_sms(x.device) else 1
+    part = torch.empty(split, t, np_, dtype=torch.float32, device=x.device)
+    _mixes_gemm_kernel[(tiles, split)](
+        x2, fn, part, t, n, k, x2.stride(0), fn.stride(0), t * np_,
+        triton.cdiv(k, CONFIG["BLOCK_K"]), per, chunks // split,
+        NP=np_, BLOCK_T=bt, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+    )
+    ebt = CONFIG["EPI_BLOCK_T"]
+    _mixes_epilogue_kernel[(triton.cdiv(t, ebt),)](
+        part, base.contiguous(), scale.contiguous(), pre, post, comb,
+        t, k, t * np_, iters, norm_eps, hc_eps,
+        CHUNKS=split, HC=hc, NP=np_, BLOCK_T=ebt, num_warps=4,
+    )
+    return pre, post, comb
+
+
+# ------------------------------------------------------------------------------ collapse / expand
+
+
+@triton.jit
+def _collapse_kernel(
+    x_ptr, pre_ptr, w_ptr, out_ptr,
+    D, stride_xt, stride_xh, stride_ot, eps,
+    HC: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One row: h = bf16(sum_k pre_k * x_k) (fp32 sum in stream order); with NORM, the RMSNorm
+    of h: stats in fp32, V4.1 rounds the normalised value to bf16 and multiplies by the bf16
+    weight there, V4 multiplies by the fp32 weight and rounds once."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(HC):
+        xk = tl.load(x_ptr + t * stride_xt + k * stride_xh + d, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.load(pre_ptr + t * HC + k) * xk
+    h = acc.to(out_ptr.dtype.element_ty)
+    if NORM:
+        hf = h.to(tl.float32)
+        normed = hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
+        w = tl.load(w_ptr + d, mask=ok, other=0.0)
+        if WEIGHT_IN_FP32:
+            h = (w.to(tl.float32) * normed).to(out_ptr.dtype.element_ty)
+        else:
+            wd = w.to(out_ptr.dtype.element_ty).to(tl.float32)
+            h = (wd * normed.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + d, h, mask=ok)
+
+
+def _collapse(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+    t, hc, d = x.shape
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    x = x.contiguous()
+    pre = pre.contiguous()
+    block_d = triton.next_power_of_2(d)
+    _collapse_kernel[(t,)](
+        x, pre, weight if weight is not None else pre, out, d, x.stride(0), x.stride(1), out.stride(0), eps,
+        HC=hc, NORM=weight is not None, WEIGHT_IN_FP32=weight_in_fp32, BLOCK_D=block_d,
+        num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False,
+    )
+    return out
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """`ops.mhc.hc_collapse`: x [T, hc, D] bf16, pre fp32 [T, hc] -> bf16 [T, D]."""
+    return _collapse(x, pre, None, 0.0, False)
+
+
+def hc_collapse_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+    """`rms_norm(hc_collapse(x, pre), weight, eps, weight_in_fp32)` in one launch."""
+    return _collapse(x, pre, weight.contiguous(), eps, weight_in_fp32)
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
+    D, stride_yt, stride_rt, stride_rh,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[t, k, cols] = bf16(post_k * y + sum_j comb[j, k] * residual_j), all fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = d < D
+    h = tl.arange(0, HC)
+    mixed = tl.zeros((HC, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(HC):
+        rj = tl.load(res_ptr + t * stride_rt + j * stride_rh + d, mask=ok, other=0.0).to(tl.float32)
+        mixed += tl.load(comb_ptr + t * HC * HC + j * HC + h)[:, None] * rj[None, :]
+    y = tl.load(y_ptr + t * stride_yt + d, mask=ok, other=0.0).to(tl.float32)
+    out = tl.load(post_ptr + t * HC + h)[:, None] * y[None, :] + mixed
+    tl.store(out_ptr + t * stride_rt + h[:, None] * stride_rh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`ops.mhc.hc_expand(..., fp32=True)`: y [T, D], residual [T, hc, D] bf16, post fp32
+    [T, hc], comb fp32 [T, hc, hc] -> [T, hc, D] in residual's dtype."""
+    t, hc, d = residual.shape
+    residual = residual.contiguous()
+    out = torch.empty_like(residual)
+    if t == 0:
+        return out
+    y = y.contiguous()
+    _expand_kernel[(t, triton.cdiv(d, EXPAND_BLOCK_D))](
+        y, residual, post.contiguous(), comb.contiguous(), out, d, y.stride(0), residual.stride(0), residual.stride(1),
+        HC=hc, BLOCK_D=EXPAND_BLOCK_D, num_warps=4, enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,94 @@
+"""Row-wise ops of the fast path in one kernel each (H200): RMSNorm and interleaved-pair RoPE.
+
+In torch each is 6-10 small kernels (casts, square, mean, rsqrt, products; slices, stack,
+cat), which in a decode step costs far more in launches than in bytes. Same numerics as the
+torch references (dsv4.ops.norm.rms_norm, dsv4.ops.rope.apply_rope): fp32 statistics and
+rotations, the reference's rounding points; summation order of the mean may differ (fp32
+rounding level). One program per row (or per rotated vector), every row's result independent
+of the others (batch invariant), no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, WEIGHT_IN_FP32: tl.constexpr, BLOCK: tl.constexpr):
+    """out = weight * (x * rsqrt(mean(x^2) + eps)): V4.1 rounds the normalised value to the
+    activation dtype before the weight multiply (WEIGHT_IN_FP32 False), V4 multiplies in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    if WEIGHT_IN_FP32:
+        y = w.to(tl.float32) * normed
+    else:
+        y = w.to(out_ptr.dtype.element_ty).to(tl.float32) * normed.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"rms_norm: weight must be [{n}], got {list(weight.shape)}")
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, float(eps),
+                                          WEIGHT_IN_FP32=weight_in_fp32, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, stride_xt, stride_xm, stride_ot, stride_om, stride_c,
+                 HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token, vector m): copy the D - 2*HALF leading channels, rotate the trailing
+    pairs (even, odd) by the token's angle: (e*c - o*s, e*s + o*c), fp32 math; INVERSE negates
+    the sine. cos/sin [T, HALF] hold the activation dtype's rounding of the angles."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // M
+    m = pid % M
+    x_row = x_ptr + t * stride_xt + m * stride_xm
+    o_row = out_ptr + t * stride_ot + m * stride_om
+    lead = D - 2 * HALF
+    for c0 in range(0, lead, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ok = cols < lead
+        tl.store(o_row + cols, tl.load(x_row + cols, mask=ok), mask=ok)
+    p = tl.arange(0, HALF)
+    even = tl.load(x_row + lead + 2 * p).to(tl.float32)
+    odd = tl.load(x_row + lead + 2 * p + 1).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_c + p).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_c + p).to(tl.float32)
+    if INVERSE:
+        s = -s
+    # each product rounded on its own, as the reference (the launch disables fp fusion)
+    ec, os_, es, oc = even * c, odd * s, even * s, odd * c
+    tl.store(o_row + lead + 2 * p, (ec - os_).to(out_ptr.dtype.element_ty))
+    tl.store(o_row + lead + 2 * p + 1, (es + oc).to(out_ptr.dtype.element_ty))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [T, ..., D]; cos/sin [T, HALF] (HALF a power of two) -> rotated copy of x."""
+    t, d, half = x.shape[0], x.shape[-1], cos.shape[-1]
+    if cos.shape != (t, half) or sin.shape != cos.shape or 2 * half > d or half & (half - 1):
+        raise ValueError(f"apply_rope: cos/sin must be [{t}, half] with half a power of two <= {d // 2}, got {list(cos.shape)} / {list(sin.shape)}")
+    x3 = x.reshape(t, -1, d)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    m = x3.shape[1]
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if t * m:
+        _rope_kernel[(t * m,)](x3, cos, sin, out, m, d, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+                               HALF=half, INVERSE=inverse, BLOCK=min(triton.next_power_of_2(max(d - 2 * half, 1)), 1024), num_warps=2,
+                               enable_fp_fusion=False)  # no multiply-add contraction: the reference rounds each product
+    return out.view(x.shape)

@@ -1,0 +1,348 @@
+"""The graph-safe indexer ops (`dsv4.ops.indexer`): torch references against a naive per-row
+definition and against the model's current selection code, then the Triton kernels against
+the references on random non-zero inputs at small shapes (on CPU in Triton's interpreter,
+TRITON_INTERPRET=1 set by conftest.py — 3.9's: 3.6's has no `dot_scaled`; compiled with CUDA). Ragged lengths include 0, k beyond
+the length, many exact ties (ReLU zeros, +-0), widths that are not a multiple of any tile, rows
+of different requests; a row's result must be the same bits alone and in a batch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dsv4.model import quant
+from dsv4.model.layers.attention import Attention, topk_lowest_index_on_ties
+from dsv4.ops import indexer as ops
+
+try:
+    import triton  # noqa: F401
+
+    from dsv4.ops.triton import indexer as tk
+except ImportError:
+    tk = None
+needs_triton = pytest.mark.skipif(tk is None, reason="triton is not installed (pip install triton)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/ops/conftest.py set TRITON_INTERPRET=1
+REPO = Path(__file__).resolve().parents[2]
+SCORE_TOL = 1e-5  # of the row's largest |score|: the kernel adds in another order
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _dev(*xs):
+    return [x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in xs]
+
+
+# ----------------------------------------------------------------------------------- scores
+
+
+def _score_case(seed: int, *, heads: int, dk: int, per_block: int, entries_of: list[int], lengths: list[int], row_req: list[int], width: int, with_entries: bool):
+    """Random FP4 indexer keys in shuffled blocks; `entries_of[b]`: entries request b holds.
+    Returns the argument list of `index_scores` (entries None unless `with_entries`: then each
+    row scores a random list of its request's entries, with repeats and -1 holes)."""
+    g = _gen(seed)
+    n_req = len(entries_of)
+    max_blocks = max(-(-n // per_block) for n in entries_of)
+    n_blocks = n_req * max_blocks + 3
+    magnitude = torch.exp2(torch.randint(-3, 4, (n_blocks, per_block, dk // 32), generator=g).float()).repeat_interleave(32, -1)
+    codes, scales = quant.quantize_fp4(torch.randn(n_blocks, per_block, dk, generator=g) * magnitude, 32, e4m3_scale=False)
+    order = torch.randperm(n_blocks, generator=g)
+    block_tables = order[: n_req * max_blocks].view(n_req, max_blocks).to(torch.int32)
+    t = len(lengths)
+    # |q| within fp16's normal range: Triton's interpreter passes dot_scaled's bf16 operand
+    # through fp16 (the GPU does not)
+    q = quant.fake_quant_fp4(torch.randn(t, heads, dk, generator=g) * 2, 32, e4m3_scale=False).bfloat16()
+    weights = torch.randn(t, heads, generator=g) * heads**-0.5
+    req = torch.tensor(row_req)
+    entries = None
+    if with_entries:
+        n_own = torch.tensor(entries_of)[req]
+        entries = (torch.rand(t, width, generator=g) * n_own.unsqueeze(1)).long()
+        entries = torch.where(torch.rand(t, width, generator=g) < 0.15, -1, entries)
+    return [q, weights, codes, scales, block_tables, req, torch.tensor(lengths), per_block, width, entries]
+
+
+def _naive_scores(q, weights, codes, scales, block_tables, row_req, lengths, per_block, width, entries):
+    """Row by row from the definition, in float64: sum_h relu(q_h . key) * Dk**-0.5 * w_h."""
+    t, _, dk = q.shape
+    out = torch.full((t, width), float("-inf"), dtype=torch.float64)
+    for r in range(t):
+        n = min(int(lengths[r]), width)
+        ent = torch.arange(n) if entries is None else entries[r, :n]
+        ok = ent >= 0
+        e = ent[ok]
+        blocks = block_tables[int(row_req[r])].long()[e // per_block]
+        keys = quant.dequantize_fp4(codes[blocks, e % per_block], scales[blocks, e % per_block], torch.float64, 32)
+        per_head = (q[r].double() @ keys.T).relu() * dk**-0.5 * weights[r].double().unsqueeze(1)
+        row = torch.full((n,), float("-inf"), dtype=torch.float64)
+        row[ok] = per_head.sum(0)
+        out[r, :n] = row
+    return out
+
+
+def _assert_scores_close(y, ref, lengths):
+    """Columns < lengths: -inf in the same places, finite ones within SCORE_TOL of the row max."""
+    y, ref = y.double().cpu(), ref.double().cpu()
+    for r in range(ref.shape[0]):
+        n = min(int(lengths[r]), ref.shape[1])
+        a, b = y[r, :n], ref[r, :n]
+        assert torch.equal(torch.isneginf(a), torch.isneginf(b)), f"row {r}: -inf columns differ"
+        fin = torch.isfinite(b)
+        if fin.any():
+            scale = b[fin].abs().max().clamp_min(1e-30)
+            assert (a[fin] - b[fin]).abs().max() <= SCORE_TOL * scale, f"row {r}"
+
+
+def _row_alone(args, r):
+    """The `index_scores` arguments of row r on its own (same cache and block tables)."""
+    q, weights, codes, scales, block_tables, req, lengths, per_block, width, entries = args
+    one = slice(r, r + 1)
+    return [q[one], weights[one], codes, scales, block_tables, req[one], lengths[one], per_block, width, None if entries is None else entries[one]]
+
+
+SCORE_CASES = {
+    # three requests of different sizes; lengths 0, one column, around the 64-column tile, the
+    # full width (not a multiple of 64); 12 heads (padded to 16), Dk 64 (two scale blocks);
+    # blocks of 16 entries: a tile's keys are gathered entry by entry
+    "ragged": dict(heads=12, dk=64, per_block=16, entries_of=[150, 70, 200], lengths=[0, 1, 63, 64, 65, 150, 70, 200, 129],
+                   row_req=[0, 0, 0, 2, 2, 0, 1, 2, 2], width=200, with_entries=False),
+    # blocks of 128 entries (two tiles): each tile reads one contiguous run of keys
+    "contiguous": dict(heads=16, dk=128, per_block=128, entries_of=[190, 100], lengths=[190, 0, 64, 100, 129, 1],
+                       row_req=[0, 1, 0, 1, 0, 1], width=190, with_entries=False),
+    # each row scores its own list of entries (repeats, -1 holes), Dk 128 as in V4.1
+    "entries": dict(heads=16, dk=128, per_block=32, entries_of=[300, 90], lengths=[130, 0, 77, 130, 5],
+                    row_req=[0, 1, 1, 0, 0], width=130, with_entries=True),
+}
+
+
+@pytest.mark.parametrize("case", SCORE_CASES)
+def test_index_scores_reference_matches_definition(case):
+    args = _score_case(1, **SCORE_CASES[case])
+    ref = ops.index_scores_reference(*args)
+    naive = _naive_scores(*args)
+    assert ref.dtype == torch.float32 and ref.shape == naive.shape
+    _assert_scores_close(ref, naive, args[6])
+    assert torch.isneginf(ref[torch.arange(ref.shape[1]) >= args[6].unsqueeze(1)]).all()
+    # the CPU dispatch is the reference, and a row alone has the bits it has in the batch
+    assert torch.equal(ops.index_scores(*args), ref)
+    for r in (2, len(args[6]) - 1):
+        assert torch.equal(ops.index_scores_reference(*_row_alone(args, r))[0], ref[r])
+
+
+@needs_triton
+@pytest.mark.parametrize("case", SCORE_CASES)
+def test_index_scores_kernel_matches_reference(case):
+    args = _score_case(1, **SCORE_CASES[case])
+    ref = ops.index_scores_reference(*args)
+    y = tk.index_scores(*_dev(*args))
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    _assert_scores_close(y, ref, args[6])
+    # batch invariance: a row alone (one row: its columns split over more programs) has the
+    # bits it has in the batch
+    for r in (2, len(args[6]) - 1):
+        n = int(args[6][r])
+        alone = tk.index_scores(*_dev(*_row_alone(args, r)))
+        assert torch.equal(alone[0, :n], y[r, :n])
+
+
+@needs_triton
+def test_index_scores_kernel_fp32_query_and_int64_metadata():
+    """fp32 q holding bf16 values and int64 tables give the bf16 / int32 result."""
+    args = _score_case(2, **dict(SCORE_CASES["ragged"], lengths=[17, 200, 90], row_req=[1, 2, 0]))
+    y = tk.index_scores(*_dev(*args))
+    wide = list(args)
+    wide[0], wide[4] = args[0].float(), args[4].long()
+    written = (torch.arange(args[8]) < args[6].unsqueeze(1)).to(DEVICE)  # the rest is unwritten
+    assert torch.equal(tk.index_scores(*_dev(*wide))[written], y[written])
+
+
+# ----------------------------------------------------------------------------------- block max
+
+
+def _naive_block_max(scores, lengths, block):
+    t, width = scores.shape
+    out = torch.full((t, -(-width // block)), float("-inf"))
+    for r in range(t):
+        n = min(int(lengths[r]), width)
+        for i in range(-(-n // block)):
+            out[r, i] = float("inf") if i == (n - 1) // block else scores[r, i * block : min((i + 1) * block, n)].max()
+    return out
+
+
+def _tie_scores(seed: int, t: int, width: int) -> torch.Tensor:
+    """Scores full of exact ties: ReLU-like zeros of both signs, a coarse grid of repeated
+    values, a few -inf and +inf."""
+    g = _gen(seed)
+    s = torch.randn(t, width, generator=g)
+    s = torch.where(torch.rand(t, width, generator=g) < 0.4, (s * 4).round() / 4, s)  # repeated values
+    s = torch.where(s < -0.3, 0.0, s)
+    s = torch.where(torch.rand(t, width, generator=g) < 0.1, -0.0, s)
+    s = torch.where(torch.rand(t, width, generator=g) < 0.05, float("-inf"), s)
+    return torch.where(torch.rand(t, width, generator=g) < 0.01, float("inf"), s)
+
+
+BLOCK_LENGTHS = [0, 1, 8, 9, 300, 1000, 1021, 517]  # width 1021: not a multiple of 8 or of any tile
+
+
+def test_block_max_reference_matches_definition_and_candidates():
+    scores = _tie_scores(3, len(BLOCK_LENGTHS), 1021)
+    lengths = torch.tensor(BLOCK_LENGTHS)
+    ref = ops.block_max_reference(scores, lengths, 8)
+    assert torch.equal(ref, _naive_block_max(scores, lengths, 8))
+    assert torch.equal(ops.block_max(scores, lengths, 8), ref)
+    # level one end to end: block_max + topk_ascending keep the blocks `Attention._candidates`
+    # keeps (fed what `select` feeds it: -inf past the visible entries)
+    n_keep = 20
+    fake = SimpleNamespace(cfg=SimpleNamespace(candidate_block_size=8, candidate_topk_blocks=n_keep))
+    visible = scores.masked_fill(torch.arange(1021) >= lengths.unsqueeze(1), float("-inf"))
+    _, kept = Attention._candidates(fake, visible, torch.div(lengths - 1, 8, rounding_mode="floor"))
+    expected = torch.where(kept >= 0, kept, 1 << 30).sort(-1).values
+    expected = torch.where(expected < 1 << 30, expected, -1)
+    picked = ops.topk_ascending_reference(ref, torch.div(lengths + 7, 8, rounding_mode="floor"), n_keep)
+    assert torch.equal(picked.long(), expected)
+
+
+@needs_triton
+def test_block_max_kernel_matches_reference():
+    scores = _tie_scores(3, len(BLOCK_LENGTHS), 1021)
+    lengths = torch.tensor(BLOCK_LENGTHS)
+    for block in (8, 32):
+        ref = ops.block_max_reference(scores, lengths, block)
+        y = tk.block_max(*_dev(scores, lengths), block).cpu()
+        written = torch.arange(ref.shape[1]) < torch.div(lengths + block - 1, block, rounding_mode="floor").unsqueeze(1)
+        assert torch.equal(y[written], ref[written])
+        for r in (4, 6):
+            alone = tk.block_max(*_dev(scores[r : r + 1], lengths[r : r + 1]), block).cpu()
+            assert torch.equal(alone[0][written[r]], y[r][written[r]])
+
+
+# ----------------------------------------------------------------------------------- top-k
+
+
+def _naive_topk(scores, lengths, k):
+    """Per row: columns ordered by (score descending, column ascending), -inf dropped, the
+    first k, ascending, -1 padded."""
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
+    for r in range(scores.shape[0]):
+        row = scores[r, : min(int(lengths[r]), scores.shape[1])].tolist()
+        cols = sorted((c for c, v in enumerate(row) if v > float("-inf")), key=lambda c: (-row[c], c))[:k]
+        out[r, : len(cols)] = torch.tensor(sorted(cols), dtype=torch.int32)
+    return out
+
+
+def _model_topk(scores, lengths, k):
+    """The selection `Attention.select` makes today on scores that are -inf past the visible
+    entries: `topk_lowest_index_on_ties`, picks of -inf dropped, ascending, -1 padded."""
+    t, width = scores.shape
+    visible = scores.masked_fill(torch.arange(width) >= lengths.unsqueeze(1), float("-inf"))
+    top = topk_lowest_index_on_ties(visible, min(k, width))
+    picks = torch.where(top.values > float("-inf"), top.indices, width).sort(dim=-1).values
+    picks = torch.where(picks < width, picks, -1)
+    return torch.nn.functional.pad(picks, (0, k - picks.shape[1]), value=-1).to(torch.int32)
+
+
+def _radix_scores(seed: int, t: int, width: int) -> torch.Tensor:
+    """Rows whose values share their top 8, 16 or 24 bits (every radix pass decides), plus
+    extremes: +-3e38, subnormals, negatives, -inf."""
+    g = _gen(seed)
+    base = torch.tensor([1.0, -2.0, 3e38, 1e-40])[torch.arange(t) % 4].unsqueeze(1)
+    steps = torch.randint(0, 1 << 12, (t, width), generator=g, dtype=torch.int32)
+    bits = base.view(torch.int32) + torch.where(torch.arange(t).unsqueeze(1) % 2 == 0, steps, steps >> 6)
+    s = bits.view(torch.float32)
+    s = torch.where(torch.rand(t, width, generator=g) < 0.05, -3e38, s)
+    return torch.where(torch.rand(t, width, generator=g) < 0.05, float("-inf"), s)
+
+
+TOPK_LENGTHS = [0, 5, 40, 41, 2500, 2000, 1500, 2500, 1]  # width 2500: 3 tiles of 1024, the last partial
+
+
+@pytest.mark.parametrize("k", [1, 40, 700, 3000])
+def test_topk_reference_matches_definition_and_model(k):
+    lengths = torch.tensor(TOPK_LENGTHS)
+    for scores in (_tie_scores(5, len(TOPK_LENGTHS), 2500), _radix_scores(6, len(TOPK_LENGTHS), 2500)):
+        ref = ops.topk_ascending_reference(scores, lengths, k)
+        assert ref.dtype == torch.int32 and ref.shape == (len(TOPK_LENGTHS), k)
+        assert torch.equal(ref, _model_topk(scores, lengths, k))
+        if k <= 40:  # the Python definition is slow on long rows
+            assert torch.equal(ref, _naive_topk(scores, lengths, k))
+        assert torch.equal(ops.topk_ascending(scores, lengths, k), ref)
+
+
+def test_topk_naive_definition_on_short_rows():
+    lengths = torch.tensor([0, 3, 17, 30, 30])
+    for scores in (_tie_scores(7, 5, 30), _radix_scores(8, 5, 30)):
+        for k in (1, 4, 17, 40):
+            assert torch.equal(ops.topk_ascending_reference(scores, lengths, k), _naive_topk(scores, lengths, k))
+
+
+@needs_triton
+@pytest.mark.parametrize("k", [1, 40, 700, 3000])
+def test_topk_kernel_matches_reference(k):
+    lengths = torch.tensor(TOPK_LENGTHS)
+    for scores in (_tie_scores(5, len(TOPK_LENGTHS), 2500), _radix_scores(6, len(TOPK_LENGTHS), 2500)):
+        ref = ops.topk_ascending_reference(scores, lengths, k)
+        y = tk.topk_ascending(*_dev(scores, lengths), k)
+        assert y.dtype == torch.int32 and torch.equal(y.cpu(), ref)
+    for r in (4, 5):  # batch invariance (exact by construction: the result is a set)
+        alone = tk.topk_ascending(*_dev(scores[r : r + 1], lengths[r : r + 1]), k)
+        assert torch.equal(alone.cpu()[0], ref[r])
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk_per_k,k", [(2, 40), (0, 700)])
+def test_topk_kernel_split_rows(monkeypatch, chunk_per_k, k):
+    """Rows split into chunks (stage 1) and merged (stage 2): chunks longer than k, and chunks
+    shorter than k (every pickable column of a chunk is a candidate)."""
+    monkeypatch.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=512, CHUNK_PER_K=chunk_per_k))
+    monkeypatch.setattr(tk, "num_sms", lambda device: 1000)  # a "small" batch whatever its size
+    lengths = torch.tensor(TOPK_LENGTHS)
+    assert tk.topk_chunks(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE))[1] > 1
+    for scores in (_tie_scores(9, len(TOPK_LENGTHS), 2500), _radix_scores(10, len(TOPK_LENGTHS), 2500)):
+        ref = ops.topk_ascending_reference(scores, lengths, k)
+        assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k).cpu(), ref)
+
+
+# ----------------------------------------------------------------------------------- contract
+
+
+@needs_triton
+def test_kernel_wrappers_reject_bad_arguments():
+    args = _score_case(4, **dict(SCORE_CASES["ragged"], lengths=[3], row_req=[0]))
+    bad = {
+        0: (args[0].half(), "q must be bf16"),
+        1: (args[1].double(), "weights must be float32"),
+        3: (args[3][..., :1], "key_scales must be uint8"),
+        5: (args[5].float(), "row_req must be int32/int64"),
+        6: (args[6][:0], "lengths must be int32/int64"),
+    }
+    for i, (value, message) in bad.items():
+        wrong = list(args)
+        wrong[i] = value
+        with pytest.raises(ValueError, match=message):
+            tk.index_scores(*_dev(*wrong))
+    with pytest.raises(ValueError, match=r"key_codes must be uint8 \[NB, 8, 32\]"):
+        tk.index_scores(*_dev(*args[:7]), 8, *args[8:])
+    with pytest.raises(ValueError, match="entries must be int32/int64"):
+        tk.index_scores(*_dev(*args[:9]), torch.zeros(1, 7, dtype=torch.long, device=DEVICE))
+    scores, lengths = _dev(torch.zeros(2, 16), torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        tk.block_max(scores, lengths, 6)
+    with pytest.raises(ValueError, match="scores must be float32"):
+        tk.topk_ascending(scores.half(), lengths, 4)
+    with pytest.raises(ValueError, match="lengths must be int32/int64 \\[2\\]"):
+        tk.topk_ascending(scores, lengths[:1], 4)
+
+
+def test_indexer_module_imports_without_triton():
+    """CPU machines without triton import the ops: the kernels load only on CUDA tensors."""
+    code = "import sys, dsv4.ops.indexer; assert 'triton' not in sys.modules, 'triton imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,0 +1,58 @@
+"""The row-wise Triton kernels (RMSNorm, RoPE) against the torch references, in Triton's
+interpreter on CPU (tests/ops/conftest.py), on random non-zero bf16 inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.ops import norm, rope
+
+pytest.importorskip("triton", reason="triton is not installed")
+from dsv4.ops.triton import rowwise  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bf16 units in the last place between two bf16 tensors."""
+    ia, ib = a.cpu().view(torch.int16).int(), b.cpu().view(torch.int16).int()
+    ia = torch.where(ia < 0, -32768 - ia, ia)  # order-preserving image of the sign-magnitude bits
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return int((ia - ib).abs().max())
+
+
+@pytest.mark.parametrize("weight_in_fp32", [False, True])
+@pytest.mark.parametrize("shape", [(5, 96), (3, 2, 200)])
+def test_rms_norm_matches_reference(shape, weight_in_fp32):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16()
+    w = (torch.randn(shape[-1], generator=g) + 1).to(torch.float32 if weight_in_fp32 else torch.bfloat16)
+    ref = norm.rms_norm(x, w, 1e-6, weight_in_fp32)
+    out = rowwise.rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-6, weight_in_fp32)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert _ulps(out, ref) <= 1  # the mean's summation order may move the last bit
+    # a row alone has the bits it has in the batch
+    assert torch.equal(rowwise.rms_norm(x[:1].to(DEVICE), w.to(DEVICE), 1e-6, weight_in_fp32), out[:1])
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("shape,half", [((4, 3, 64), 8), ((6, 48), 16), ((2, 32), 16)])
+def test_rope_matches_reference(shape, half, inverse):
+    g = torch.Generator().manual_seed(shape[-1] + half)
+    x = (torch.randn(*shape, generator=g) * 2).bfloat16()
+    angles = torch.randn(shape[0], half, generator=g) * 3
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    ref = rope.apply_rope(x, cos, sin, inverse)
+    out = rowwise.apply_rope(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), inverse)
+    assert out.shape == x.shape
+    assert torch.equal(out.cpu(), ref)
+    assert not torch.equal(out.cpu()[..., -2 * half :], x[..., -2 * half :])  # it did rotate
+
+
+def test_bad_shapes_are_refused():
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(ValueError, match="weight must be"):
+        rowwise.rms_norm(x, torch.ones(32), 1e-6, False)
+    with pytest.raises(ValueError, match="cos/sin must be"):
+        rowwise.apply_rope(x, torch.ones(4, 12), torch.ones(4, 12))
