@@ -72,11 +72,11 @@ def _run_stage(block: Block, streams: torch.Tensor, pre: torch.Tensor | None, id
     v41 = block.v41
     residual = streams
     a_pre, a_post, a_comb = block.mixes(streams, "attn")
-    h = block.norm(hc_collapse(streams, pre if v41 else a_pre), block.attn_norm)
+    h = block.collapse_norm(streams, pre if v41 else a_pre, block.attn_norm)
     streams = hc_expand(attend(h), residual, a_post, a_comb, fp32=v41)
     residual = streams
     f_pre, f_post, f_comb = block.mixes(streams, "ffn")
-    h = block.norm(hc_collapse(streams, a_pre if v41 else f_pre), block.ffn_norm)
+    h = block.collapse_norm(streams, a_pre if v41 else f_pre, block.ffn_norm)
     streams = hc_expand(block.ffn(h, ids), residual, f_post, f_comb, fp32=v41)
     return streams, f_pre
 
@@ -230,11 +230,7 @@ class DSparkDraft:
         ring_valid = (ring_pos >= 0).expand(n, w)
         block_valid = torch.ones(n, n, dtype=torch.bool, device=x.device)
         out = attn._attend(q, ring_keys.expand(n, w, hd), ring_valid, kv.expand(n, n, hd), block_valid)
-        out = apply_rope(out, cos, sin, inverse=True)
-        g = cfg.o_groups
-        grouped = out.reshape(n, g, h * hd // g)
-        wo_a = attn.wo_a.dense(dtype).view(g, -1, h * hd // g)
-        return attn.wo_b(torch.cat([linear(grouped[:, k], wo_a[k]) for k in range(g)], dim=-1))
+        return attn.project_out(apply_rope(out, cos, sin, inverse=True))
 
     @torch.inference_mode()
     def draft(self, anchor: int, p: int, main_x_p: torch.Tensor, *, slot: int = 0, greedy: bool = True, generator: torch.Generator | None = None) -> DSparkOutput:

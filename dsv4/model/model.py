@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
-from dsv4.cache.storage import KVCacheStorage
+from dsv4.cache.storage import KVCacheStorage, ckv_is_fp4, idx_is_fp4, window_is_fp8
 from dsv4.config import LayerRole, ModelConfig
 from dsv4.model.batch import ForwardBatch
+from dsv4.model.sections import section
+from dsv4.model.step import Step, build_step
 from dsv4.model.layers.attention import Attention, Segments
 from dsv4.model.layers.engram import Engram, EngramHasher
 from dsv4.model.layers.moe import MoE
 from dsv4.ops.linear import linear
-from dsv4.ops.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
+from dsv4.ops.mhc import hc_collapse_norm, hc_expand, hc_head, hc_mixes
 from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import RopeTables
 
@@ -39,21 +40,38 @@ class Block:
         c = self.cfg
         return hc_mixes(x, fn, base, scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.cfg.rms_norm_eps, weight_in_fp32=not self.v41)
+    def collapse_norm(self, streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The site's input: the streams collapsed with `pre`, then RMS-normed."""
+        return hc_collapse_norm(streams, pre, weight, self.cfg.rms_norm_eps, weight_in_fp32=not self.v41)
 
 
-class _Rows:
-    """The rows a forward is currently running on (all tokens, or the decoder's tail rows)."""
-
-    def __init__(self, segs: Segments, row_ids: torch.Tensor):
-        self.segs, self.row_ids = segs, row_ids
+def fast_path_unsupported(cfg: ModelConfig) -> str | None:
+    """Why the fast path (device metadata, Triton kernels, CUDA graphs) cannot run this
+    config, or None. It serves V4.1's quantised caches; V4 and test shapes without them run
+    the reference path."""
+    if cfg.arch != "v41":
+        return "V4 runs the reference path (its bf16 caches and HCA layers have no fast kernels yet)"
+    if not (window_is_fp8(cfg) and ckv_is_fp4(cfg) and idx_is_fp4(cfg)):
+        return f"head_dim {cfg.head_dim} / index_head_dim {cfg.index_head_dim} do not give the FP8 / FP4 caches (multiples of 32)"
+    if cfg.head_dim & (cfg.head_dim - 1):
+        return f"head_dim {cfg.head_dim} is not a power of two (the attention kernel's tile)"
+    return None
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict, *, dtype: torch.dtype, device="cpu", token_map: torch.Tensor | None = None):
+    """`fast_path`: None picks the fast path on CUDA in bf16 when the config allows it
+    (`fast_path_unsupported`), the reference path otherwise; True / False force one (True on
+    CPU runs the fast path's torch references: the tests compare the two paths there)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, *, dtype: torch.dtype, device="cpu", token_map: torch.Tensor | None = None, fast_path: bool | None = None):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.v41 = cfg.arch == "v41"
+        why = fast_path_unsupported(cfg)
+        if fast_path is None:
+            fast_path = why is None and self.device.type == "cuda" and dtype == torch.bfloat16
+        elif fast_path and why is not None:
+            raise ValueError(f"fast_path=True: {why}")
+        self.fast = fast_path
         self.rope = RopeTables(cfg, dtype, self.device)
         self.embed = weights["embed.weight"]
         self.head = weights["head.weight"]
@@ -74,75 +92,105 @@ class Model:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCacheStorage) -> torch.Tensor:
         """-> final hidden states [len(batch.logits_rows), D] (after the last collapse and norm)."""
+        if self.fast:
+            if batch.trace is not None or batch.capture is not None:
+                raise ValueError("trace / capture record the reference path's selections: build the model with fast_path=False")
+            return self.forward_step(build_step(batch, self.cfg, cache.block_size, self.device), cache)
+        req = torch.repeat_interleave(torch.arange(batch.num_requests), torch.tensor(batch.num_tokens)).to(batch.input_ids.device)
+        local = torch.arange(batch.input_ids.shape[0], device=req.device) - torch.tensor(batch.offsets[:-1], device=req.device)[req]
+        return self._run(batch.input_ids, req, local, batch.positions, batch.prev_tokens, _ReferenceRows(batch, cache), batch.trace, batch.capture)
+
+    @torch.inference_mode()
+    def forward_step(self, step: Step, cache: KVCacheStorage) -> torch.Tensor:
+        """The fast path on a `Step` (dsv4.model.step) -> hidden states [len(step.logits_index), D].
+        No host synchronisation: CUDA graphs capture this (dsv4.engine.cuda_graphs)."""
+        step.forget_derived()  # derived tensors are made inside this forward (and its graph)
+        rows = step.enc
+        return self._run(step.input_ids, rows.req, rows.local, rows.positions, step.prev_tokens, _FastRows(step, cache), None, None)
+
+    def _run(self, ids, req, local, positions, prev_tokens, rows, trace, capture) -> torch.Tensor:
         cfg = self.cfg
-        ids = batch.input_ids
         x = F.embedding(ids, self.embed).to(self.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(ids.shape[0], cfg.hc_mult, dtype=torch.float32, device=ids.device)
         pre[:, 0] = 1.0
-        segs = Segments(list(range(batch.num_requests)), batch.start_pos, batch.num_tokens, batch.window_floor, batch.positions)
-        rows = _Rows(segs, torch.arange(ids.shape[0], device=ids.device))
         hashes = None
         if self.hasher is not None:
-            hashes = self.hasher(ids, batch.start_pos, batch.num_tokens, batch.prev_tokens)
+            with section("engram"):
+                hashes = self.hasher(ids, req, local, positions, prev_tokens)
         shared: dict = {}
         for block in self.blocks:
             role = block.role
             if block.engram is not None:
                 k = cfg.engram_layer_ids.index(role.index)
-                with record_function("dsv4.engram"):
+                with section("engram"):
                     streams = block.engram(streams, hashes[:, k])
-            if batch.capture is not None and role.index in cfg.dspark_target_layer_ids:
-                want = self._select(batch.logits_rows, rows.row_ids)
-                batch.capture.setdefault("dspark", {})[role.index] = streams[want].mean(dim=1)
+            if capture is not None and role.index in cfg.dspark_target_layer_ids:
+                capture.setdefault("dspark", {})[role.index] = streams[rows.final()].mean(dim=1)
             residual = streams
-            with record_function("dsv4.mhc"):
+            with section("mhc"):
                 a_pre, a_post, a_comb = block.mixes(streams, "attn")
-                h = block.norm(hc_collapse(streams, pre if self.v41 else a_pre), block.attn_norm)
+                h = block.collapse_norm(streams, pre if self.v41 else a_pre, block.attn_norm)
             if role.owns_compressor:
-                with record_function("dsv4.compressor"):
-                    block.attn.compress(h, rows.segs, batch, cache)
+                with section("compressor"):
+                    rows.compress(block.attn, h)
             if role.index == cfg.ced_split:
-                keep = self._decoder_rows(batch, rows, shared)
-                streams, residual, a_pre, a_post, a_comb, h, ids = (
-                    t[keep] for t in (streams, residual, a_pre, a_post, a_comb, h, ids)
-                )
-                if hashes is not None:
-                    hashes = hashes[keep]
-            with record_function("dsv4.attention"):
-                y = block.attn(h, rows.segs, batch, cache, shared)
-            with record_function("dsv4.mhc"):
+                keep = rows.split(shared)
+                if keep is not None:
+                    streams, residual, a_pre, a_post, a_comb, h, ids = (
+                        t[keep] for t in (streams, residual, a_pre, a_post, a_comb, h, ids)
+                    )
+                    if hashes is not None:
+                        hashes = hashes[keep]
+            with section("attention"):
+                y = rows.attend(block.attn, h, shared)
+            with section("mhc"):
                 streams = hc_expand(y, residual, a_post, a_comb, fp32=self.v41)
                 residual = streams
                 f_pre, f_post, f_comb = block.mixes(streams, "ffn")
-                h = block.norm(hc_collapse(streams, a_pre if self.v41 else f_pre), block.ffn_norm)
-            with record_function("dsv4.moe"):
-                y = block.ffn(h, ids, batch.trace, f"L{role.index}")
-            with record_function("dsv4.mhc"):
+                h = block.collapse_norm(streams, a_pre if self.v41 else f_pre, block.ffn_norm)
+            with section("moe"):
+                y = block.ffn(h, ids, trace, f"L{role.index}")
+            with section("mhc"):
                 streams = hc_expand(y, residual, f_post, f_comb, fp32=self.v41)
             pre = f_pre
-        want = self._select(batch.logits_rows, rows.row_ids)
+        want = rows.final()
         streams = streams[want]
-        if batch.capture is not None:
-            batch.capture["final_streams"] = streams
+        if capture is not None:
+            capture["final_streams"] = streams
         if self.v41:
-            final = hc_collapse(streams, pre[want])
-        else:
-            fn, base, scale = self.hc_head
-            final = hc_head(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
-        return rms_norm(final, self.final_norm, cfg.rms_norm_eps, weight_in_fp32=not self.v41)
+            return hc_collapse_norm(streams, pre[want], self.final_norm, cfg.rms_norm_eps, weight_in_fp32=False)
+        fn, base, scale = self.hc_head
+        final = hc_head(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
+        return rms_norm(final, self.final_norm, cfg.rms_norm_eps, weight_in_fp32=True)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits in fp32 (the head runs in the activation dtype)."""
-        return linear(hidden, self.head.to(hidden.dtype)).float()
+        with section("head"):
+            return linear(hidden, self.head.to(hidden.dtype)).float()
 
-    # ------------------------------------------------------------------------ CED split
-    def _decoder_rows(self, batch: ForwardBatch, rows: _Rows, shared: dict) -> torch.Tensor:
-        """Switch `rows` to the rows the decoder runs on and return their indices in the
-        current rows. Exact mode keeps every row; bounded replay keeps each request's last
+
+class _ReferenceRows:
+    """The reference path's view of the rows: host-planned `Segments` (all tokens, then the
+    decoder's tail rows from the CED split on)."""
+
+    def __init__(self, batch: ForwardBatch, cache: KVCacheStorage):
+        self.batch, self.cache = batch, cache
+        self.segs = Segments(list(range(batch.num_requests)), batch.start_pos, batch.num_tokens, batch.window_floor, batch.positions)
+        self.row_ids = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
+
+    def compress(self, attn: Attention, h: torch.Tensor) -> None:
+        attn.compress(h, self.segs, self.batch, self.cache)
+
+    def attend(self, attn: Attention, h: torch.Tensor, shared: dict) -> torch.Tensor:
+        return attn(h, self.segs, self.batch, self.cache, shared)
+
+    def split(self, shared: dict) -> torch.Tensor:
+        """Switch to the rows the decoder runs on and return their indices in the current
+        rows. Exact mode keeps every row; bounded replay keeps each request's last
         `decoder_tokens[b]` rows, whose window starts at their first position. Per-request
         selections published before the split cover every row: they keep the same tail."""
-        segs = rows.segs
+        batch, segs = self.batch, self.segs
         counts = list(segs.counts) if batch.decoder_tokens is None else [min(k, n) for k, n in zip(batch.decoder_tokens, segs.counts)]
         keep = torch.cat([
             torch.arange(segs.offsets[i + 1] - counts[i], segs.offsets[i + 1], device=segs.positions.device)
@@ -154,15 +202,40 @@ class Model:
             for i, b in enumerate(segs.requests):
                 if b in shared.get(key, {}):
                     shared[key][b] = shared[key][b][segs.counts[i] - counts[i] :]
-        rows.segs = Segments(segs.requests, starts, counts, floors, segs.positions[keep])
-        rows.row_ids = rows.row_ids[keep]
+        self.segs = Segments(segs.requests, starts, counts, floors, segs.positions[keep])
+        self.row_ids = self.row_ids[keep]
         return keep
 
-    @staticmethod
-    def _select(wanted: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
-        """Positions in the current rows of the wanted original rows (all must still exist)."""
+    def final(self) -> torch.Tensor:
+        """Positions in the current rows of the batch's logits rows (all must still exist)."""
+        wanted, row_ids = self.batch.logits_rows, self.row_ids
         lookup = torch.full((int(row_ids.max()) + 1 if row_ids.numel() else 1,), -1, dtype=torch.long, device=row_ids.device)
         lookup[row_ids] = torch.arange(row_ids.numel(), device=row_ids.device)
         if wanted.numel() and (int(wanted.max()) >= lookup.numel() or bool((lookup[wanted] < 0).any())):
             raise ValueError("logits_rows: a requested row did not run the decoder layers (bounded replay keeps only each request's last tokens)")
         return lookup[wanted]
+
+
+class _FastRows:
+    """The fast path's view of the rows: the step's device metadata (`enc`, then `dec`)."""
+
+    def __init__(self, step: Step, cache: KVCacheStorage):
+        self.step, self.cache, self.rows = step, cache, step.enc
+
+    def compress(self, attn: Attention, h: torch.Tensor) -> None:
+        attn.compress_fast(h, self.rows, self.step, self.cache)
+
+    def attend(self, attn: Attention, h: torch.Tensor, shared: dict) -> torch.Tensor:
+        return attn.forward_fast(h, self.rows, self.step, self.cache, shared)
+
+    def split(self, shared: dict) -> torch.Tensor | None:
+        self.rows = self.step.dec
+        keep = self.step.dec_keep
+        if keep is not None:  # selections published before the split: keep the same rows
+            for key in ("topk", "cand"):
+                if key in shared:
+                    shared[key] = shared[key][keep]
+        return keep
+
+    def final(self) -> torch.Tensor:
+        return self.step.logits_index

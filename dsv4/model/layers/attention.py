@@ -2,10 +2,15 @@
 entries, with sinks, inverse RoPE and the grouped output projection; and the compressed
 branch (compressor, indexer keys, indexer) that feeds it.
 
-The compressor and the indexer walk requests one by one (each has its own positions, ring slot
-and block table). The attention core runs every row of every request at once: per-row gather
-indices (window slots, compressed entries) are built on the host once per `Segments` and shared
-by all layers, so a layer launches a fixed number of kernels whatever the batch size.
+Two implementations of the same layer share the weights:
+
+* the reference path (`__call__`, `compress`, `select`): torch ops on gathers planned on the
+  host once per `Segments` and shared by all layers; the compressor walks requests one by one.
+  Bitwise batch invariant on CPU (docs/architecture.md), the oracle of the tests;
+* the fast path (`forward_fast`, `compress_fast`, `select_fast`): the ops of dsv4.ops
+  (Triton kernels on CUDA, their torch references elsewhere) on the device metadata of
+  dsv4.model.step, with no host synchronisation and fixed shapes, so that CUDA graphs can
+  capture it. V4.1's quantised caches only (FP8 ring, FP4 compressed KV and indexer keys).
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
-from dsv4.cache.storage import KVCacheStorage
+from dsv4.cache.storage import KVCacheStorage, QTensor
 from dsv4.config import LayerRole, ModelConfig
 from dsv4.model.batch import ForwardBatch
+from dsv4.model.sections import section
+from dsv4.model.step import Rows, Step
+from dsv4.ops import attention as attention_ops
+from dsv4.ops import indexer as index_ops
 from dsv4.ops import kv as kvops
 from dsv4.ops.linear import Linear, linear
 from dsv4.ops.norm import rms_norm
@@ -169,8 +177,42 @@ def topk_lowest_index_on_ties(scores: torch.Tensor, k: int):
     return torch.return_types.topk((values[..., :k], indices[..., :k]))
 
 
+# Rows of one indexer score table per call: bounds a long prefill's [rows, entries] scores.
+SCORE_BYTES = 1 << 28
+
+
+def _by_rows(score, n_rows: int, width: int) -> torch.Tensor:
+    """`score(rows)` over slices of rows small enough that one slice's fp32 score table stays
+    under SCORE_BYTES, concatenated (one call for decode)."""
+    step = max(1, SCORE_BYTES // (4 * max(width, 1)))
+    if n_rows <= step:
+        return score(slice(0, n_rows))
+    return torch.cat([score(slice(c, min(c + step, n_rows))) for c in range(0, n_rows, step)])
+
+
+def _no_entries(cache: KVCacheStorage) -> QTensor:
+    """A compressed-KV tensor for layers that attend no entries (top-k width 0): the kernel
+    reads nothing from it, but wants valid shapes."""
+    if cache.ckv:
+        return next(iter(cache.ckv.values()))
+    d = cache.cfg.head_dim
+    return QTensor(codes=torch.zeros(1, 1, d // 2, dtype=torch.uint8, device=cache.device),
+                   scales=torch.zeros(1, 1, d // 16, dtype=torch.float8_e4m3fn, device=cache.device))
+
+
 def _proj(w: dict, name: str, block: int) -> Linear:
     return Linear(w[f"{name}.weight"], w.get(f"{name}.scale"), block)
+
+
+def _groups(wo_a: Linear, groups: int, block: int) -> list[Linear]:
+    """`wo_a` as one projection per output group (group g owns rows g*n/groups ..). Compact
+    FP8 weights keep their tile scales when the group rows are whole scale tiles; otherwise
+    (tiny test shapes) each group is dequantised once here rather than at every call."""
+    rows = wo_a.out_features // groups
+    if wo_a.scale is not None and rows % block == 0:
+        t = rows // block
+        return [Linear(wo_a.weight[g * rows : (g + 1) * rows], wo_a.scale[g * t : (g + 1) * t], block) for g in range(groups)]
+    return [Linear(part) for part in wo_a.dense(wo_a.weight.dtype if wo_a.scale is None else torch.float32).split(rows)]
 
 
 class Compressor:
@@ -183,6 +225,8 @@ class Compressor:
         self.v41 = cfg.arch == "v41"
         self.wkv = w[prefix + "wkv.weight"]
         self.wgate = w.get(prefix + "wgate.weight")
+        if self.v41 and ratio > 1:  # the pooling projections run in fp32: convert once, not per call
+            self.wkv, self.wgate = self.wkv.float(), self.wgate.float()
         self.ape = w.get(prefix + "ape")
         self.norm = w[prefix + "norm.weight"]
 
@@ -196,8 +240,8 @@ class Compressor:
             latent = self._norm(linear(x, self.wkv.to(dtype)))
             return [(segs.starts[i], latent[segs.rows(i)]) for i in range(len(segs.starts))]
         if self.v41:  # pooling math in fp32 (the reference keeps these projections fp32)
-            kv_all = linear(x.float(), self.wkv.float())
-            gate_all = linear(x.float(), self.wgate.float())
+            kv_all = linear(x.float(), self.wkv)
+            gate_all = linear(x.float(), self.wgate)
         else:
             kv_all = linear(x, self.wkv.to(dtype))
             gate_all = linear(x, self.wgate.to(dtype))
@@ -251,6 +295,36 @@ class Compressor:
         prev_gate[slot] = gate[-1, :, :w].float()
         return new_kv, new_gate
 
+    def fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fast path (V4.1, no overlap): the entry every row would complete, computed for all
+        rows with fixed shapes. -> (pre-RoPE entries [R, width], entry index [R], emit [R]:
+        the row completes its group, which is not cached yet). The rows of each request's
+        trailing incomplete group go to its state slot's tail."""
+        r, dtype = self.ratio, x.dtype
+        req = rows.req.long()
+        emit = rows.write & (rows.positions - rows.positions % r >= step.emit_from[req])  # groups of a prefix hit are cached
+        if r == 1:  # every token is its own entry, no gate
+            return self._norm(linear(x, self.wkv.to(dtype))), rows.positions, emit
+        kv_all = linear(x.float(), self.wkv)  # fp32 pooling math, as the reference
+        gate_all = linear(x.float(), self.wgate)
+        tail_kv, tail_gate = cache.tail_kv[layer, self.state], cache.tail_gate[layer, self.state]
+        # the r positions of each row's group; those before the step come from the tail
+        group = (rows.positions - rows.positions % r).unsqueeze(1) + torch.arange(r, device=x.device)
+        first = rows.start[req].unsqueeze(1)
+        in_step = group >= first
+        src = (rows.row0[req].unsqueeze(1) + group - first).clamp(0, rows.num_rows - 1)
+        slot = step.slots[req].unsqueeze(1).expand(-1, r)
+        kv = torch.where(in_step.unsqueeze(-1), kv_all[src], tail_kv[slot, group % r])
+        gate = torch.where(in_step.unsqueeze(-1), gate_all[src], tail_gate[slot, group % r])
+        latent = self._norm((kv * gate.softmax(dim=1)).sum(dim=1).to(dtype))
+        emit = emit & (rows.positions % r == r - 1)
+        end = rows.start[req] + rows.count[req]
+        pending = rows.write & (rows.positions >= end - end % r)  # the trailing incomplete group
+        where = (step.slots[req], rows.positions % r)
+        kvops.store_plain(tail_kv, where, kv_all, pending)
+        kvops.store_plain(tail_gate, where, gate_all, pending)
+        return latent, rows.positions // r, emit
+
 
 class Attention:
     def __init__(self, w: dict, p: str, cfg: ModelConfig, role: LayerRole, rope: RopeTables):
@@ -261,6 +335,7 @@ class Attention:
         self.wq_a, self.wq_b = _proj(w, p + "wq_a", b), _proj(w, p + "wq_b", b)
         self.wkv = _proj(w, p + "wkv", b)
         self.wo_a, self.wo_b = _proj(w, p + "wo_a", b), _proj(w, p + "wo_b", b)
+        self.wo_a_groups = _groups(self.wo_a, cfg.o_groups, b)
         self.q_norm, self.kv_norm = w[p + "q_norm.weight"], w[p + "kv_norm.weight"]
         self.sink = w[p + "attn_sink"]
         self.compressor = self.index_compressor = None
@@ -440,7 +515,7 @@ class Attention:
         kv = kvops.round_trip(ring, kv, "window")  # QAT: the window KV is FP8
 
         if role.runs_indexer:
-            with record_function("dsv4.indexer"):
+            with section("indexer"):
                 self.select(x, q_res, segs, batch, cache, shared)
         plan = segs.plan(("window", cfg.window), lambda: _window_plan(segs, batch.slots, cfg.window, x.device))
         old = kvops.load(ring, plan.ring_index, "window", dtype)  # each needed ring row decoded once
@@ -448,12 +523,95 @@ class Attention:
         comp, comp_valid, ragged = self._compressed_keys(segs, batch, cache, shared, dtype)
         out = self._attend(q, keys, plan.valid, comp, comp_valid, ragged)
         kvops.store(ring, plan.write_index, kv[plan.write_rows], "window")
-        out = apply_rope(out, cos, sin, inverse=True)
-        g = cfg.o_groups
-        grouped = out.reshape(-1, g, h * hd // g)
-        wo_a = self.wo_a.dense(dtype).view(g, -1, h * hd // g)
-        mid = torch.cat([linear(grouped[:, k], wo_a[k]) for k in range(g)], dim=-1)
-        return self.wo_b(mid)
+        return self.project_out(apply_rope(out, cos, sin, inverse=True))
+
+    # ------------------------------------------------------------------ fast path
+    # The same layer on device metadata (dsv4.model.step): every op takes the per-row /
+    # per-request tensors and finds its own rows, nothing synchronises with the host and
+    # every shape follows from the step's shapes (CUDA-graph capturable). V4.1 caches only.
+
+    def compress_fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage) -> None:
+        layer, r = self.role.index, self.role.compress_ratio
+        latent, entry, emit = self.compressor.fast(x, rows, step, cache, layer)
+        cos, sin = self.rope.cos_sin(entry * r, "compress")
+        per_block = cache.block_size // r
+        where = (step.block_tables[rows.req.long(), entry // per_block].long(), entry % per_block)
+        keys = self.norm(linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)  # from the PRE-RoPE latent
+        kvops.store_rows(cache.idx[layer], "idx", apply_rope(keys, cos, sin), where, emit)
+        kvops.store_rows(cache.ckv[layer], "ckv", apply_rope(latent, cos, sin), where, emit)
+
+    def select_fast(self, x: torch.Tensor, q_res: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> None:
+        """The indexer on device metadata: FP4 scores of every visible entry (reindex layers:
+        of the candidate pool only), the top-k as ascending entry indices (-1 = none), and at
+        the candidate source the kept candidate blocks, ascending. Publishes shared["topk"]
+        [R, k] and shared["cand"] [R, n_blocks]."""
+        cfg, role = self.cfg, self.role
+        r = role.compress_ratio
+        keys = cache.idx[role.kv_source]
+        ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+        cos, sin = rows.derived(("rope", "compress"), lambda: self.rope.cos_sin(rows.positions, "compress"))
+        q = kvops.round_trip(keys, apply_rope(self.idx_wq_b(q_res).view(-1, ih, ihd), cos, sin), "idx")  # QAT: FP4 query
+        weights = linear(x, self.idx_weights.to(x.dtype)).float() * ih**-0.5
+        # padding rows own no blocks: they see none
+        visible = rows.derived(("visible", r), lambda: torch.where(rows.write, (rows.positions + 1) // r, 0))
+        width = step.widths[r]
+        k = min(cfg.index_topk, width)
+        if k == 0:
+            shared["topk"] = torch.full((rows.num_rows, 0), -1, dtype=torch.int32, device=x.device)
+            return
+        per_block = cache.block_size // r
+
+        def scored(c: slice, lengths: torch.Tensor, n: int, entries: torch.Tensor | None = None) -> torch.Tensor:
+            return index_ops.index_scores(q[c], weights[c], keys.codes, keys.scales, step.block_tables, rows.req[c], lengths[c], per_block, n,
+                                          entries=None if entries is None else entries[c])
+
+        if role.uses_candidates and "cand" in shared:
+            cbs = cfg.candidate_block_size
+            cand = shared["cand"].long()
+            entries = (cand.unsqueeze(-1) * cbs + torch.arange(cbs, device=x.device)).flatten(1)
+            pool_ok = (cand >= 0).repeat_interleave(cbs, dim=1) & (entries < visible.unsqueeze(1))
+            entries = torch.where(pool_ok, entries, -1)
+            full = torch.full_like(visible, entries.shape[1])
+            scores = _by_rows(lambda c: scored(c, full, entries.shape[1], entries), rows.num_rows, entries.shape[1])
+            cols = index_ops.topk_ascending(scores, full, k).long()
+            shared["topk"] = torch.where(cols >= 0, entries.gather(1, cols.clamp_min(0)), -1).int()  # the pool is ascending
+            return
+        scores = _by_rows(lambda c: scored(c, visible, width), rows.num_rows, width)
+        shared["topk"] = index_ops.topk_ascending(scores, visible, k)
+        if role.is_candidate_source:
+            cbs = cfg.candidate_block_size
+            blocks = index_ops.block_max(scores, visible, cbs)
+            shared["cand"] = index_ops.topk_ascending(blocks, (visible + cbs - 1) // cbs, min(cfg.candidate_topk_blocks, blocks.shape[1]))
+
+    def forward_fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> torch.Tensor:
+        cfg, role = self.cfg, self.role
+        h, hd = cfg.num_heads, cfg.head_dim
+        cos, sin = rows.derived(("rope", role.rope), lambda: self.rope.cos_sin(rows.positions, role.rope))
+        q_res = self.norm(self.wq_a(x), self.q_norm)
+        q = apply_rope(self.wq_b(q_res).view(-1, h, hd), cos, sin)
+        ring = cache.ring[role.index]
+        kv = kvops.round_trip(ring, apply_rope(self.norm(self.wkv(x), self.kv_norm), cos, sin), "window")  # QAT: FP8
+        if role.runs_indexer:
+            with section("indexer"):
+                self.select_fast(x, q_res, rows, step, cache, shared)
+        if role.kv_source is not None and role.index_source is not None and "topk" in shared:
+            topk, ckv = shared["topk"], cache.ckv[role.kv_source]
+        else:
+            topk, ckv = torch.full((rows.num_rows, 0), -1, dtype=torch.int32, device=x.device), _no_entries(cache)
+        out = attention_ops.sparse_attention(
+            q, kv, ring.codes, ring.scales, ckv.codes, ckv.scales, topk, rows.req, rows.positions, rows.start,
+            rows.row0, step.slots, rows.floor, step.block_tables, self.sink, hd**-0.5,
+        )
+        where = rows.derived("ring_where", lambda: (step.slots[rows.req.long()], rows.positions % cfg.window))
+        kvops.store_rows(ring, "window", kv, where, rows.ring_write(cfg.window))  # after attention: queries read the old ring
+        return self.project_out(apply_rope(out, cos, sin, inverse=True))
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """The grouped low-rank output projection: heads [R, H, D] in o_groups groups, each
+        through its slice of wo_a, then wo_b."""
+        g = self.cfg.o_groups
+        grouped = out.reshape(out.shape[0], g, out.shape[1] * out.shape[2] // g)
+        return self.wo_b(torch.cat([w(grouped[:, k]) for k, w in enumerate(self.wo_a_groups)], dim=-1))
 
     def _compressed_keys(self, segs, batch, cache, shared, dtype):
         """The compressed entries each query attends: the top-k of the governing index source

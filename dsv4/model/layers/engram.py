@@ -8,7 +8,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.model import quant
-from dsv4.ops import elementwise
+from dsv4.ops import elementwise, on_triton
 from dsv4.ops.linear import Linear
 
 
@@ -78,24 +78,32 @@ class EngramHasher:
         self.token_map = token_map.to(device=device, dtype=torch.long)
         self.pad = int(self.token_map[cfg.engram_pad_id])
 
-    def __call__(self, input_ids: torch.Tensor, start_pos: list[int], num_tokens: list[int], prev_tokens: torch.Tensor) -> torch.Tensor:
-        cols = []
-        offset = 0
-        for b, n in enumerate(num_tokens):
-            ids = input_ids[offset : offset + n]
-            offset += n
-            history = prev_tokens[b, : self.n - 1].flip(0)  # oldest first; -1 = no token
-            seq = torch.cat([history, ids])
-            comp = torch.where(seq >= 0, self.token_map[seq.clamp_min(0)], -1)
-            pos = start_pos[b] + torch.arange(n, device=ids.device)
-            shifted = []
-            blocked = torch.zeros(n, dtype=torch.bool, device=ids.device)
-            for s in range(self.n):
-                src = comp[self.n - 1 - s : self.n - 1 - s + n]
-                blocked = blocked | (pos < s) | (src < 0)
-                shifted.append(torch.where(blocked, self.pad, src))
-            cols.append(torch.stack(shifted, dim=-1))  # [n, N]
-        tokens = torch.cat(cols)  # [T, N]
+    def __call__(self, input_ids: torch.Tensor, req: torch.Tensor, local: torch.Tensor, positions: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """Rows of a flat batch: ids [T]; per row its request `req`, its index `local` among
+        the request's rows of this step and its position; prev_tokens [B, >= N-1] the ids
+        before each request's first row (nearest first, -1: none). Fixed shapes, no host
+        synchronisation (the fast path captures it in CUDA graphs). CUDA: one Triton launch
+        for all layers (`dsv4.ops.triton.engram.hash_ids`, the same integers)."""
+        if on_triton(input_ids):
+            from dsv4.ops.triton import engram as triton_engram
+
+            return triton_engram.hash_ids(input_ids, req, local, positions, prev_tokens, self.token_map, self.mult, self.primes, self.offsets, self.pad)
+        return self.reference(input_ids, req, local, positions, prev_tokens)
+
+    def reference(self, input_ids: torch.Tensor, req: torch.Tensor, local: torch.Tensor, positions: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """The torch computation of `__call__` on any device (the kernel's oracle)."""
+        req, rows = req.long(), torch.arange(input_ids.shape[0], device=input_ids.device)
+        blocked = torch.zeros_like(positions, dtype=torch.bool)
+        shifted = []
+        for s in range(self.n):
+            tok = input_ids[(rows - s).clamp_min(0)]
+            if s:  # look-back before the step's first row comes from prev_tokens
+                back = prev_tokens[req, (s - 1 - local).clamp(0, prev_tokens.shape[1] - 1)]
+                tok = torch.where(local >= s, tok, back)
+            comp = torch.where(tok >= 0, self.token_map[tok.clamp_min(0)], -1)
+            blocked = blocked | (positions < s) | (comp < 0)  # once blocked, longer n-grams are too
+            shifted.append(torch.where(blocked, self.pad, comp))
+        tokens = torch.stack(shifted, dim=-1)  # [T, N]
         products = tokens.unsqueeze(1) * self.mult  # [T, L, N]
         rolling, hashes = products[..., 0], []
         for i in range(1, self.n):
@@ -112,10 +120,26 @@ class Engram:
         self.gate_weight = w[prefix + "q_weight"].float() * w[prefix + "k_weight"].float()
 
     def __call__(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
-        """streams [T, hc, D]; hash_ids [T, n_cols] -> streams with the gated value added."""
+        """streams [T, hc, D]; hash_ids [T, n_cols] -> streams with the gated value added. CUDA:
+        Triton kernels for the lookup and the gate around the wkv GEMM (`dsv4.ops.triton.engram`)."""
+        if on_triton(streams):
+            from dsv4.ops.triton import engram as triton_engram
+
+            rows = triton_engram.lookup(self.table, self.table_scale, hash_ids, streams.dtype)
+            return triton_engram.gate(streams, self.wkv(rows), self.gate_weight, self.cfg.rms_norm_eps)
+        return self.gate_reference(streams, self.wkv(self.lookup_reference(hash_ids, streams.dtype)))
+
+    def lookup_reference(self, hash_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The table rows of hash_ids [T, n_cols], dequantised -> [T, n_cols * dim] in `dtype`
+        (the torch computation, on any device)."""
+        # validate=False: the loader checked every scale byte (no host sync per forward)
+        rows = quant.dequant_fp8_rows(self.table[hash_ids.flatten()], self.table_scale[hash_ids.flatten()], validate=False)
+        return rows.view(hash_ids.shape[0], -1).to(dtype)
+
+    def gate_reference(self, streams: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """streams [T, hc, D] plus the gated value, from the wkv output kv [T, (hc+1)*D] (the
+        torch computation, on any device)."""
         cfg, dtype = self.cfg, streams.dtype
-        rows = quant.dequant_fp8_rows(self.table[hash_ids.flatten()], self.table_scale[hash_ids.flatten()])
-        kv = self.wkv(rows.view(hash_ids.shape[0], -1).to(dtype))
         d, hc = cfg.hidden_size, cfg.hc_mult
         key = kv[:, : hc * d].float().view(-1, hc, d)
         value = kv[:, hc * d :].float()

@@ -1,5 +1,11 @@
 """The MoE feed-forward of a layer: router (fp32 with gate_temp on V4.1, activation dtype on
-V4; hash-routed on V4's first layers), routed experts and the shared expert."""
+V4; hash-routed on V4's first layers), routed experts and the shared expert.
+
+On the GPU (compact FP8 weights) the routed experts are stacked for the grouped Triton kernel,
+and on V4.1 the shared expert joins them as one more expert that every token takes with
+weight 1: the kernel then computes it exactly as the reference does (bf16 gate/up, clamped
+SwiGLU in fp32, bf16 activation, bf16 output added last to the fp32 sum of the routed ones)
+in the same launches, instead of two more projections and the SwiGLU's elementwise ops."""
 
 from __future__ import annotations
 
@@ -7,7 +13,22 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.ops import moe as moe_ops
+from dsv4.ops import on_triton
 from dsv4.ops.linear import Linear, linear
+
+# From this many (token, expert) pairs per expert on average, the experts are compute bound:
+# each used expert's FP8 weights are dequantised to bf16 (exact) for cuBLAS GEMMs, which run
+# at 2-3x the grouped weight-only kernel's rate there; below, the grouped kernel reads one
+# byte per weight.
+DENSE_EXPERT_PAIRS = 256
+
+
+def _row_scales(lin: Linear) -> torch.Tensor:
+    """A dense projection's E8M0 tile scales (one per block x block) as one per 32 inputs of
+    each row, the routed experts' layout (the same values, repeated)."""
+    b = lin.block
+    rows, cols = lin.weight.shape
+    return lin.scale.repeat_interleave(b, 0)[:rows].repeat_interleave(b // 32, 1)[:, : cols // 32]
 
 
 class MoE:
@@ -15,6 +36,8 @@ class MoE:
         self.cfg, self.top_k, self.v41 = cfg, top_k, cfg.arch == "v41"
         b = cfg.weight_block_size
         self.gate = w[prefix + "gate.weight"]
+        if self.v41:  # the router runs in fp32: convert once, not per call
+            self.gate = self.gate.float()
         self.bias = w.get(prefix + "gate.bias")
         self.tid2eid = w[prefix + "gate.tid2eid"].long() if hash_moe else None
 
@@ -22,49 +45,63 @@ class MoE:
             return Linear(w[name + ".weight"], w.get(name + ".scale"), b, row_scales)
 
         # routed experts arrive FP4-converted-to-FP8 with a scale per 32 inputs when compact
-        self.w1 = [lin(f"{prefix}experts.{e}.w1", True) for e in range(n_experts)]
-        self.w2 = [lin(f"{prefix}experts.{e}.w2", True) for e in range(n_experts)]
-        self.w3 = [lin(f"{prefix}experts.{e}.w3", True) for e in range(n_experts)]
+        w1 = [lin(f"{prefix}experts.{e}.w1", True) for e in range(n_experts)]
+        w2 = [lin(f"{prefix}experts.{e}.w2", True) for e in range(n_experts)]
+        w3 = [lin(f"{prefix}experts.{e}.w3", True) for e in range(n_experts)]
         self.s1, self.s2, self.s3 = (lin(f"{prefix}shared_experts.{n}") for n in ("w1", "w2", "w3"))
+        self.experts = (w1, w2, w3)
         self.grouped = None
-        if self.w1[0].scale is not None and self.w1[0].weight.is_cuda:
-            # compact FP8 experts on the GPU: stacked once for the grouped Triton kernels
+        self.shared_in_grouped = False
+        if w1[0].scale is not None and on_triton(w1[0].weight):
+            # compact FP8 experts on the GPU: stacked once for the grouped Triton kernels (the
+            # stacked copies replace the per-expert tensors)
+            if self.v41 and self.s1.scale is not None and self.s1.weight.shape == w1[0].weight.shape and b % 32 == 0:
+                w1, w3, w2 = w1 + [Linear(self.s1.weight, _row_scales(self.s1), 0, True)], w3 + [Linear(self.s3.weight, _row_scales(self.s3), 0, True)], \
+                    w2 + [Linear(self.s2.weight, _row_scales(self.s2), 0, True)]
+                self.shared_in_grouped = True
+                self.s1 = self.s2 = self.s3 = None
             self.grouped = (
-                torch.stack([torch.cat([a.weight, c.weight]) for a, c in zip(self.w1, self.w3)]),
-                torch.stack([torch.cat([a.scale, c.scale]) for a, c in zip(self.w1, self.w3)]),
-                torch.stack([d.weight for d in self.w2]),
-                torch.stack([d.scale for d in self.w2]),
+                torch.stack([torch.cat([a.weight, c.weight]) for a, c in zip(w1, w3)]),
+                torch.stack([torch.cat([a.scale, c.scale]) for a, c in zip(w1, w3)]),
+                torch.stack([d.weight for d in w2]),
+                torch.stack([d.scale for d in w2]),
             )
-            self.w1 = self.w2 = self.w3 = None  # the stacked copies replace them
+            self.experts = None
 
-    def _unstacked(self, which: int) -> list:
-        """Per-expert views of the stacked GPU weights (fp32 runs on the GPU take the torch path)."""
+    def _unstacked(self) -> tuple[list, list, list]:
+        """Per-expert views (w1, w2, w3) of the stacked GPU weights (the dense torch path)."""
+        if self.experts is not None:
+            return self.experts
         w13, s13, w2, s2 = self.grouped
-        if which == 2:
-            return [Linear(w2[e], s2[e], 0, True) for e in range(w2.shape[0])]
         inter = w13.shape[1] // 2
-        part = slice(0, inter) if which == 0 else slice(inter, 2 * inter)
-        return [Linear(w13[e, part], s13[e, part], 0, True) for e in range(w13.shape[0])]
+        rows = lambda w, s: [Linear(w[e], s[e], 0, True) for e in range(w.shape[0])]
+        return rows(w13[:, :inter], s13[:, :inter]), rows(w2, s2), rows(w13[:, inter:], s13[:, inter:])
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, trace: dict | None = None, tag: str = "") -> torch.Tensor:
         cfg = self.cfg
         if self.v41:
-            scores = moe_ops.sqrtsoftplus(linear(x.float(), self.gate.float()) / cfg.gate_temp)
+            scores = moe_ops.sqrtsoftplus(linear(x.float(), self.gate) / cfg.gate_temp)
         else:
             scores = moe_ops.sqrtsoftplus(linear(x, self.gate.to(x.dtype)))
         fixed = self.tid2eid[input_ids] if self.tid2eid is not None else None
         weights, indices = moe_ops.route(scores, self.bias, self.top_k, fixed, cfg.routed_scaling_factor, cfg.norm_topk_prob)
         if trace is not None and fixed is None:
             trace.setdefault(f"{tag}.experts", []).append(indices.sort(dim=-1).values)
-        if self.grouped is not None and x.dtype == torch.bfloat16:
+        weights = weights.float()
+        if self.shared_in_grouped:  # the shared expert: the last expert, weight 1, for every token
+            shared_id = self.grouped[0].shape[0] - 1
+            indices = torch.cat([indices, torch.full_like(indices[:, :1], shared_id)], dim=1)
+            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+        experts = self.grouped[0].shape[0] if self.grouped is not None else len(self.experts[0])
+        if self.grouped is not None and x.dtype == torch.bfloat16 and indices.numel() < DENSE_EXPERT_PAIRS * experts:
             from dsv4.ops.triton import moe_experts
 
-            routed = moe_experts(x, indices, weights.float(), *self.grouped, cfg.swiglu_limit, self.v41)
-            if not self.v41:
-                routed = routed.to(x.dtype)
+            routed = moe_experts(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41)
         else:
-            routed = moe_ops.experts_forward(x, weights, indices, self.w1 or self._unstacked(0), self.w2 or self._unstacked(2), self.w3 or self._unstacked(1), cfg.swiglu_limit, self.v41)
+            routed = moe_ops.experts_forward(x, weights, indices, *self._unstacked(), cfg.swiglu_limit, self.v41)
+        if self.shared_in_grouped:
+            return routed.to(x.dtype)
         shared = self.s2(moe_ops.swiglu(self.s1(x), self.s3(x), cfg.swiglu_limit).to(x.dtype))
         if self.v41:
             return (routed + shared.float()).to(x.dtype)
-        return routed + shared
+        return routed.to(x.dtype) + shared

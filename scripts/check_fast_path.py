@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Every Triton kernel of the fast path checked against its torch reference on the inputs the
+model really gives it: a golden set runs through the engine (prompt logits, then greedy
+decode steps) and each kernel call is repeated on the torch code with the same arguments.
+
+Kernel tests (tests/ops) check each kernel on random inputs; this checks the wiring: the
+arguments, layouts, strides and dtypes the model passes. Works on CUDA, and on CPU in Triton's
+interpreter (slow: tiny prompts only).
+
+    python scripts/check_fast_path.py GOLDEN_FOLDER [--prompts 1,3] [--steps 2]
+
+Prints the largest error per kernel (relative to the reference's largest magnitude; stores,
+round trips, top-k and hashes must be exact) and exits 1 if any is out of tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the kernels run on CPU tensors in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["DSV4_TRITON_ON_CPU"] = "1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "ops"))
+    import conftest  # noqa: F401  (the interpreter fixes)
+
+from safetensors.torch import load_file
+
+import dsv4.ops
+import dsv4.ops.triton as triton_ops
+from dsv4.cache.storage import QTensor
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.llm import LLM
+from dsv4.model import quant
+from dsv4.ops import attention, indexer, kv, mhc, norm, rope
+from dsv4.ops.linear import Linear, linear
+from dsv4.ops.moe import experts_forward
+from dsv4.ops.triton import attention as t_attention
+from dsv4.ops.triton import engram as t_engram
+from dsv4.ops.triton import indexer as t_indexer
+from dsv4.ops.triton import kv as t_kv
+from dsv4.ops.triton import mhc as t_mhc
+from dsv4.ops.triton import rowwise as t_rowwise
+
+# Largest accepted error (relative to the reference's largest magnitude), 0 = bit-exact.
+TOLERANCE = {
+    "sparse_attention": 2e-2,  # bf16 probabilities rounded before vs after normalising
+    "index_scores": 1e-5, "block_max": 0.0, "topk_ascending": 0.0,
+    "rms_norm": 1e-2, "apply_rope": 0.0,
+    "hc_mixes": 1e-5, "hc_collapse_norm": 1e-2, "hc_expand": 1e-2,
+    "store_rows": 0.0, "store_plain": 0.0, "round_trip": 0.0,
+    "hash_ids": 0.0, "lookup": 0.0, "gate": 1e-2,
+    # compact FP8 weights only run on the GPU (CPU runs load dequantised weights)
+    "fp8_linear_w8a16": 1e-2, "moe_experts": 2e-2,
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if a.shape != b.shape:
+        return float("inf")
+    finite = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), finite) or not torch.equal(a[~finite], b[~finite]):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    return ((a - b).abs()[finite].max() / b.abs()[finite].max().clamp_min(1e-30)).item()
+
+
+def _reference(fn, *args, **kwargs):
+    with dsv4.ops.torch_only():
+        return fn(*args, **kwargs)
+
+
+def _valid_cols(t: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    cols = torch.arange(t.shape[1], device=t.device)
+    return cols.unsqueeze(0) < lengths.clamp(max=t.shape[1]).unsqueeze(1).long()
+
+
+class Checker:
+    def __init__(self):
+        self.errors: dict[str, list[float]] = collections.defaultdict(list)
+
+    def wrap(self, module, name: str, reference, compare=None) -> None:
+        """`compare(out, ref, *args)` -> error; default: `_rel(out, ref)`."""
+        kernel = getattr(module, name)
+        compare = compare or (lambda out, ref, *args, **kwargs: _rel(out, ref))
+
+        def checked(*args, **kwargs):
+            out = kernel(*args, **kwargs)
+            self.errors[name].append(compare(out, _reference(reference, *args, **kwargs), *args, **kwargs))
+            return out
+
+        setattr(module, name, checked)
+
+    def wrap_store(self, name: str, reference) -> None:
+        """Stores write in place: run the kernel and the torch code on copies of the target."""
+        kernel = getattr(t_kv, name)
+
+        def checked(target, *args):
+            tensors = [target.codes, target.scales] if isinstance(target, QTensor) and target.quantized else \
+                      [target.values] if isinstance(target, QTensor) else [target]
+            before = [t.clone() for t in tensors]
+            kernel(target, *args)
+            after = [t.clone() for t in tensors]
+            for t, b in zip(tensors, before):
+                t.copy_(b)
+            _reference(reference, target, *args)
+            exact = all(torch.equal(a.view(torch.uint8), t.view(torch.uint8)) for a, t in zip(after, tensors))
+            self.errors[name].append(0.0 if exact else float("inf"))
+            for t, a in zip(tensors, after):  # keep the kernel's result
+                t.copy_(a)
+
+        setattr(t_kv, name, checked)
+
+
+def install(checker: Checker) -> None:
+    c = checker
+    c.wrap(t_attention, "sparse_attention", attention.sparse_attention)
+
+    def scores(out, ref, *args, **kwargs):
+        ok = _valid_cols(out, args[6])
+        return _rel(torch.where(ok, out, 0), torch.where(ok, ref, 0))
+
+    def blocks(out, ref, scores_in, lengths, block):
+        ok = _valid_cols(out, (lengths + block - 1) // block)
+        return _rel(torch.where(ok, out, 0).nan_to_num(posinf=0), torch.where(ok, ref, 0).nan_to_num(posinf=0))
+
+    c.wrap(t_indexer, "index_scores", indexer.index_scores, scores)
+    c.wrap(t_indexer, "block_max", indexer.block_max, blocks)
+    c.wrap(t_indexer, "topk_ascending", indexer.topk_ascending, lambda o, r, *a: 0.0 if torch.equal(o.long(), r.long()) else float("inf"))
+    c.wrap(t_rowwise, "rms_norm", norm.rms_norm)
+    c.wrap(t_rowwise, "apply_rope", rope.apply_rope)
+    c.wrap(t_mhc, "hc_mixes", mhc.hc_mixes, lambda o, r, *a: max(_rel(x, y) for x, y in zip(o, r)))
+    c.wrap(t_mhc, "hc_collapse_norm", mhc.hc_collapse_norm)
+    c.wrap(t_mhc, "hc_expand", lambda y, res, post, comb: mhc.hc_expand(y, res, post, comb, fp32=True))
+    c.wrap(t_kv, "round_trip", lambda kind, x: kv.round_trip(QTensor(codes=x), x, kind))
+    c.wrap_store("store_rows", kv.store_rows)
+    c.wrap_store("store_plain", kv.store_plain)
+    c.wrap(t_engram, "hash_ids", lambda ids, req, local, pos, prev, tmap, mult, primes, offsets, pad: _hash_reference(ids, req, local, pos, prev, tmap, mult, primes, offsets, pad))
+    c.wrap(t_engram, "lookup", lambda table, scale, ids, dtype: _lookup_reference(table, scale, ids, dtype))
+    c.wrap(t_engram, "gate", lambda streams, kv_rows, weight, eps: _gate_reference(streams, kv_rows, weight, eps))
+    c.wrap(triton_ops, "fp8_linear_w8a16", lambda x, w, s, block: linear(x, quant.dequant_fp8_block(w, s, block).to(x.dtype)))
+    c.wrap(triton_ops, "moe_experts", _moe_reference)
+
+
+def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down):
+    """The per-expert torch loop on the same FP8 experts, dequantised (dsv4.ops.moe)."""
+    inter = w13.shape[1] // 2
+    rows = lambda w, s: [Linear(w[e], s[e], 0, row_scales=True) for e in range(w.shape[0])]
+    return experts_forward(x, weights, ids, rows(w13[:, :inter], s13[:, :inter]), rows(w2, s2), rows(w13[:, inter:], s13[:, inter:]),
+                           limit, weight_before_down).float()
+
+
+# The engram references are methods of the layer objects; these call them on a stand-in.
+def _hash_reference(ids, req, local, pos, prev, tmap, mult, primes, offsets, pad):
+    from dsv4.model.layers.engram import EngramHasher
+
+    h = EngramHasher.__new__(EngramHasher)
+    h.n, h.token_map, h.mult, h.primes, h.offsets, h.pad = mult.shape[1], tmap, mult, primes, offsets, pad
+    return h.reference(ids, req, local, pos, prev)
+
+
+def _lookup_reference(table, scale, ids, dtype):
+    from dsv4.model.layers.engram import Engram
+
+    e = Engram.__new__(Engram)
+    e.table, e.table_scale = table, scale
+    return e.lookup_reference(ids, dtype)
+
+
+def _gate_reference(streams, kv_rows, weight, eps):
+    from types import SimpleNamespace
+
+    from dsv4.model.layers.engram import Engram
+
+    e = Engram.__new__(Engram)
+    e.gate_weight = weight
+    e.cfg = SimpleNamespace(hidden_size=streams.shape[2], hc_mult=streams.shape[1], rms_norm_eps=eps)
+    return e.gate_reference(streams, kv_rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", help="a golden set (V4.1), e.g. ../shared/golden/v41-tiny-a")
+    parser.add_argument("--prompts", default="1,3", help="golden prompt indices")
+    parser.add_argument("--steps", type=int, default=2, help="greedy decode steps after the prompts")
+    args = parser.parse_args()
+    ref = load_file(Path(args.folder) / "golden.safetensors")
+    prompts = [ref[f"prompt{int(i)}.input_ids"].tolist() for i in args.prompts.split(",")]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    checker = Checker()
+    install(checker)
+    llm = LLM(args.folder, device=device, dtype="bfloat16", fast_path=True, block_size=16, kv_cache_memory=64 << 20,
+              max_num_seqs=4, max_model_len=256, swa_bounded_replay=False, enforce_eager=True)
+    llm.prompt_logits(prompts)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True), use_tqdm=False)
+    failed = False
+    for name in sorted(TOLERANCE):
+        errs = checker.errors.get(name)
+        if not errs:
+            print(f"{name:18s} not called")
+            continue
+        worst = max(errs)
+        bad = worst > TOLERANCE[name]
+        failed |= bad
+        print(f"{name:18s} calls {len(errs):4d}  max error {worst:.3e}  (tolerance {TOLERANCE[name]:.0e}){'  FAIL' if bad else ''}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

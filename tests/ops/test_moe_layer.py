@@ -1,0 +1,61 @@
+"""The MoE layer on the GPU's weight form (compact FP8 experts stacked for the grouped kernel,
+V4.1's shared expert folded in as one more expert of weight 1) against the same layer on
+dequantised weights (the per-expert torch path), with the kernels in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4.ops
+from dsv4.model import quant
+from dsv4.model.layers.moe import MoE
+from dsv4.model.make_tiny import tiny_config
+from dsv4.config import parse_config
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+
+def _weights(cfg, g: torch.Generator) -> tuple[dict, dict]:
+    """One layer's FFN tensors: (compact, dequantised to bf16) with the same values."""
+    d, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    compact, dense = {}, {}
+    p = "ffn."
+    compact[p + "gate.weight"] = dense[p + "gate.weight"] = (torch.randn(e, d, generator=g) * d**-0.5).bfloat16()
+    compact[p + "gate.bias"] = dense[p + "gate.bias"] = torch.randn(e, generator=g) * 0.1
+    for i in range(e):
+        for name, (rows, cols) in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
+            w = (torch.randn(rows, cols, generator=g) * 8).to(torch.float8_e4m3fn)
+            s = torch.randint(120, 124, (rows, cols // 32), generator=g, dtype=torch.uint8)
+            compact[f"{p}experts.{i}.{name}.weight"], compact[f"{p}experts.{i}.{name}.scale"] = w, s
+            dense[f"{p}experts.{i}.{name}.weight"] = quant.dequant_fp8_rows(w, s).bfloat16()
+    b = cfg.weight_block_size
+    for name, (rows, cols) in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
+        w = (torch.randn(rows, cols, generator=g) * 8).to(torch.float8_e4m3fn)
+        s = torch.randint(120, 124, (-(-rows // b), -(-cols // b)), generator=g, dtype=torch.uint8)
+        compact[f"{p}shared_experts.{name}.weight"], compact[f"{p}shared_experts.{name}.scale"] = w, s
+        dense[f"{p}shared_experts.{name}.weight"] = quant.dequant_fp8_block(w, s, b).bfloat16()
+    return compact, dense
+
+
+def test_grouped_moe_with_the_shared_expert_folded_in_matches_the_reference(monkeypatch):
+    cfg = parse_config(tiny_config("v41"))
+    g = torch.Generator().manual_seed(7)
+    compact, dense = _weights(cfg, g)
+    x = (torch.randn(9, cfg.hidden_size, generator=g) * 2).bfloat16()
+    ids = torch.zeros(9, dtype=torch.long)
+    reference = MoE(dense, "ffn.", cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, False)
+    assert reference.grouped is None
+    want = reference(x, ids)
+    monkeypatch.setattr(dsv4.ops, "TRITON_ON_CPU", True)
+    fast = MoE(compact, "ffn.", cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, False)
+    assert fast.grouped is not None and fast.shared_in_grouped
+    assert fast.grouped[0].shape[0] == cfg.n_routed_experts + 1
+    got = fast(x, ids)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= 2**-7 * scale  # a couple of bf16 roundings
+    # the dense (prefill) path on the same stacked weights, shared expert included
+    monkeypatch.setattr("dsv4.model.layers.moe.DENSE_EXPERT_PAIRS", 0)
+    dense_path = fast(x, ids)
+    assert (dense_path.float() - want.float()).abs().max() <= 2**-7 * scale
