@@ -489,6 +489,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_prefix_loads_per_step: int | None = None  # cap on requests admitted with a prefix hit per step
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (fast path on CUDA)
+    fast_path: bool | None = None  # None: the fast path where it can run (CUDA, bf16, V4.1); False: reference ops
 
     def __post_init__(self) -> None:
         def fail(field_name: str, expected: str, got) -> None:
@@ -514,6 +516,10 @@ class EngineConfig:
             fail("max_model_len", "a positive integer", self.max_model_len)
         if self.max_prefix_loads_per_step is not None and self.max_prefix_loads_per_step <= 0:
             fail("max_prefix_loads_per_step", "a positive integer or None", self.max_prefix_loads_per_step)
+        if not isinstance(self.enforce_eager, bool):
+            fail("enforce_eager", "a bool", self.enforce_eager)
+        if self.fast_path is not None and not isinstance(self.fast_path, bool):
+            fail("fast_path", "True, False or None", self.fast_path)
 
     @property
     def torch_dtype(self):

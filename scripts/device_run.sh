@@ -1,13 +1,38 @@
 #!/usr/bin/env bash
-# One device call: kernel checks and timings, GPU golden check, forward benchmark.
-# Usage (device tool): bash scripts/device_run.sh   (results under $OUT)
+# One device call: kernel checks and sweeps at real shapes, every kernel call of a real forward
+# against its reference, the golden sets on CUDA (greedy with vs without CUDA graphs), the
+# forward benchmark. Prepare here first (bash scripts/prepare_device.sh), then
+#   run(command="bash scripts/device_run.sh", carry=["devdata", ".device_wheels"])
+# Knobs (environment): STEPS (default kernels,insitu,golden,bench), KERNEL_SECTIONS,
+# KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s). Results under $OUT.
 set -uo pipefail
 pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
-export PYTHONPATH=$PWD
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-git log -1 --format=%H > "$OUT/commit.txt" 2>/dev/null || true
-timeout 150 python scripts/check_kernels.py 2>&1 | tail -60
-timeout 120 python scripts/gpu_golden.py devdata/golden/* 2>&1 | tail -20
-timeout 280 python -m dsv4.cli bench forward --config v41 --num-layers 8 --num-experts 64 --device cuda --dtype bfloat16 \
-  --warmup 1 --iters 3 --json "$OUT/forward.json" \
-  d1=1*1@8192 d8=8*1@32768 d64=64*1@32768 d256=256*1@8192 p8k=8192 hit=1024@100000 2>&1 | tail -80
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+STEPS=${STEPS:-kernels,insitu,golden,bench}
+LOG=$OUT/log.txt
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; git log -1 --format=%H 2>/dev/null; git status --short 2>/dev/null | head -30; } | tee "$OUT/gpu.txt"
+
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+if want kernels; then
+  echo "=== kernels" | tee -a "$LOG"
+  timeout $(( ${KERNEL_BUDGET:-200} + 40 )) python scripts/check_kernels.py --budget "${KERNEL_BUDGET:-200}" \
+    ${KERNEL_SECTIONS:+--sections $KERNEL_SECTIONS} >>"$LOG" 2>&1
+  echo "rc=$?" | tee -a "$LOG"
+  grep -E "FAIL|ERROR|best|sweep" "$LOG" | tail -40
+fi
+if want insitu; then
+  echo "=== insitu" | tee -a "$LOG"
+  timeout 150 python scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 2>&1 | tee -a "$LOG" | tail -20
+fi
+if want golden; then
+  echo "=== golden" | tee -a "$LOG"
+  timeout 240 python scripts/gpu_golden.py devdata/golden/v41-tiny-a 2>&1 | grep -v Warning | tee -a "$LOG" | tail -8
+fi
+if want bench; then
+  echo "=== bench" | tee -a "$LOG"
+  CASES=${BENCH_CASES:-"d1_8k=1*1@8192 d8_32k=8*1@32768 d64_32k=64*1@32768 d256_8k=256*1@8192 d64_128k=64*1@131072 p8k=8192 hit=1024@100000"}
+  timeout "${BENCH_TIMEOUT:-300}" python -m dsv4.cli bench forward --config v41 --num-layers 8 --num-experts 64 --device cuda \
+    --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward.json" ${BENCH_FLAGS:---no-baseline} $CASES 2>&1 \
+    | grep -v -E "Warning|profiler_st" | tee -a "$LOG" | tail -45
+fi

@@ -1,5 +1,14 @@
-"""GPU correctness check (device run): the CUDA path (compact FP8 weights, bf16 and fp32)
-against the golden reference: prompt logits and greedy tokens. Writes $OUT/gpu_golden.json."""
+"""GPU correctness check (device run) on the golden sets, end to end through the engine:
+
+* fp32 on CUDA (compact FP8 weights, reference ops) against the golden reference: prompt
+  logits and greedy tokens;
+* bf16: the reference ops, the fast path eager (--enforce-eager) and the fast path with CUDA
+  graphs. Graphs must not change outputs: greedy tokens (and the decode logits) of the fast
+  path are identical with and without graphs. The fast path against the bf16 reference ops:
+  logit distance and greedy agreement (bf16 flips selections on these random tiny models,
+  see tests/model/test_golden.py::test_bf16_within_bf16_noise).
+
+Writes $OUT/gpu_golden.json; exits 1 if graphs change any greedy token."""
 
 import json
 import os
@@ -12,26 +21,54 @@ from safetensors.torch import load_file
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.llm import LLM
 
+ENGINE = dict(device="cuda", block_size=16, kv_cache_memory=256 << 20, swa_bounded_replay=False, max_model_len=1024)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+
+def _run(folder: str, prompts, **options):
+    llm = LLM(folder, **dict(ENGINE, **options))
+    logits = llm.prompt_logits(prompts)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    fast = llm.engine.model.fast
+    del llm
+    torch.cuda.empty_cache()
+    return logits, outs, fast
+
 
 def main(folders: list[str]) -> int:
-    results = {}
+    results, failed = {}, False
     for folder in folders:
+        name = Path(folder).name
         ref = load_file(Path(folder) / "golden.safetensors")
         prompts = [ref[f"prompt{i}.input_ids"].tolist() for i in range(5)]
-        for dtype in ("float32", "bfloat16"):
-            llm = LLM(folder, device="cuda", dtype=dtype, block_size=16, kv_cache_memory=256 << 20, swa_bounded_replay=False)
-            logits = llm.prompt_logits(prompts)
-            diffs = [float((lg[:, ref["vocab_ids"]] - ref[f"prompt{i}.prefill.logits"]).abs().max()) for i, lg in enumerate(logits)]
-            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-            same = [o.token_ids == ref[f"prompt{i}.greedy.tokens"].tolist() for i, o in enumerate(outs)]
-            results[f"{Path(folder).name}/{dtype}"] = {"max_logit_diff_per_prompt": diffs, "greedy_identical": same}
-            print(Path(folder).name, dtype, "max logit diff", [f"{d:.2e}" for d in diffs], "greedy identical", same, flush=True)
-            del llm
-            torch.cuda.empty_cache()
+        logits, outs, _ = _run(folder, prompts, dtype="float32")
+        diffs = [float((lg[:, ref["vocab_ids"]] - ref[f"prompt{i}.prefill.logits"]).abs().max()) for i, lg in enumerate(logits)]
+        same = [o.token_ids == ref[f"prompt{i}.greedy.tokens"].tolist() for i, o in enumerate(outs)]
+        results[f"{name}/float32"] = {"max_logit_diff_per_prompt": diffs, "greedy_identical": same}
+        print(name, "float32 reference ops: max logit diff", [f"{d:.2e}" for d in diffs], "greedy identical", same, flush=True)
+
+        runs = {label: _run(folder, prompts, dtype="bfloat16", **opts) for label, opts in (
+            ("reference", {"fast_path": False}), ("fast_eager", {"enforce_eager": True}), ("fast_graphs", {}))}
+        entry = {"fast_path_on": runs["fast_graphs"][2]}
+        if not runs["fast_graphs"][2]:
+            print(name, "bfloat16: this config runs the reference path only", flush=True)
+        else:
+            eager, graphs = runs["fast_eager"][1], runs["fast_graphs"][1]
+            graph_same = [a.token_ids == b.token_ids for a, b in zip(eager, graphs)]
+            lp_same = [[x.logprob for x in a.outputs[0].logprobs] == [x.logprob for x in b.outputs[0].logprobs] for a, b in zip(eager, graphs)]
+            failed |= not all(graph_same)
+            ref_logits = runs["reference"][0]
+            dist = [float((a - b).abs().mean()) for a, b in zip(runs["fast_eager"][0], ref_logits)]
+            agree = [sum(x == y for x, y in zip(a.token_ids, r.token_ids)) for a, r in zip(eager, runs["reference"][1])]
+            entry.update(graphs_vs_eager_greedy_identical=graph_same, graphs_vs_eager_logprobs_identical=lp_same,
+                         fast_vs_reference_mean_logit_distance=dist, fast_vs_reference_greedy_agreement_of_12=agree)
+            print(name, "bfloat16: graphs == eager greedy", graph_same, "logprobs", lp_same, flush=True)
+            print(name, "bfloat16: fast vs reference ops mean |logit diff|", [f"{d:.3f}" for d in dist], "greedy agreement /12", agree, flush=True)
+        results[f"{name}/bfloat16"] = entry
     out = os.environ.get("OUT")
     if out:
         Path(out, "gpu_golden.json").write_text(json.dumps(results, indent=1))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

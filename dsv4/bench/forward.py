@@ -5,16 +5,21 @@ Each case (grammar in `dsv4.bench.roofline`) becomes one ForwardBatch on random 
 at 1M tokens of context costs no prefill. A step is `Model.forward` plus the LM head over the
 logits rows. Per case it prints the median step time of `--iters` runs after `--warmup`,
 tokens/s (new tokens only), the roofline floor and time/floor, and where the time goes:
-the model's profiler ranges (dsv4.attention without the nested dsv4.indexer, dsv4.indexer,
-dsv4.compressor, dsv4.moe, dsv4.mhc, dsv4.engram) plus dsv4.head, measured as device time of
-the kernels under each range on CUDA (CPU time on CPU); "other" is the rest of the step
-(embedding, engram hashing, host gaps).
+the model's sections (dsv4.model.sections: attention without the nested indexer, indexer,
+compressor, moe, mhc, engram, head), timed by CUDA events on the GPU (inside the captured
+graph for graph-replayed cases, in an eager step otherwise) or by the wall clock on CPU;
+"other" is the rest of the step (embedding, final norm, the host's metadata preparation and
+launch gaps outside the sections).
 
 The fast path runs the weights the way the engine loads them on the device (compact FP8 on
-CUDA, dequantised on CPU). With `--baseline` (default on CUDA) the same cases also run on
-the reference path: the same model with dequantised dense weights (dense `dtype` GEMMs and
-the torch reference ops, what an HF-style implementation computes), reported as a ratio; it
-is skipped, saying so, when its weights do not fit in free device memory.
+CUDA, dequantised on CPU) and the model's fast path (device metadata, Triton kernels; on CPU
+only with `--fast-path`, which runs its torch references). Decode-shaped cases on CUDA are
+also timed as CUDA-graph replays, which is then the step time (`--no-cuda-graphs`: eager
+only); the eager time is printed beside it. With `--baseline` (default on CUDA) the same
+cases also run on the reference path: the same model with dequantised dense weights, dense
+`dtype` GEMMs and every op on its torch code (`dsv4.ops.torch_only`: the HF-style
+computation), reported as a ratio; it is skipped, saying so, when its weights do not fit in
+free device memory.
 
 Configs: a path (folder with config.json, or the file), or a built-in: `v41` / `v4` (the
 released V4.1-Flash / V4-Flash configs) and `tiny-v41` / `tiny-v4` (the golden sets' shapes,
@@ -49,8 +54,6 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from dsv4.bench.roofline import (
     COMPONENTS,
@@ -64,11 +67,14 @@ from dsv4.bench.roofline import (
 from dsv4.cache.reference_configs import released_v4_config, released_v41_config
 from dsv4.cache.storage import KVCacheStorage, QTensor
 from dsv4.config import ConfigError, ModelConfig, parse_config
+from dsv4.engine.cuda_graphs import DecodeGraphs
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.layers.engram import engram_primes
 from dsv4.model.make_tiny import tiny_config
+from dsv4.model import sections
 from dsv4.model.model import Model
 from dsv4.model.random_weights import dense_weight_bytes, fp8_normal_, random_weights
+from dsv4.ops import torch_only
 
 BUILTIN_CONFIGS = {
     "v41": released_v41_config,
@@ -77,7 +83,6 @@ BUILTIN_CONFIGS = {
     "tiny-v4": partial(tiny_config, "v4"),
 }
 DEFAULT_ENGRAM_ROWS = 1 << 20
-RANGE_PREFIX = "dsv4."
 # Free device memory the reference path may use: the rest is for the cache and activations.
 REFERENCE_MEMORY_FRACTION = 0.8
 # Codes of random cache entries: window FP8 codes ~N(0, 64^2) with exponent bytes 119..121
@@ -204,9 +209,10 @@ def _fill_random(q: QTensor, gen: torch.Generator, kind: str) -> None:
         q.scales.random_(*IDX_EXP, generator=gen)
 
 
-def build_step(cfg: ModelConfig, plans: list[RequestPlan], *, block_size: int, dtype: torch.dtype, device: torch.device, seed: int) -> tuple[KVCacheStorage, ForwardBatch]:
+def build_case(cfg: ModelConfig, plans: list[RequestPlan], *, block_size: int, dtype: torch.dtype, device: torch.device, seed: int, batch_device: torch.device | None = None) -> tuple[KVCacheStorage, ForwardBatch]:
     """A cache with every entry filled at random (contiguous blocks per request, one state
-    slot each) and the batch of one step of `plans`."""
+    slot each) and the batch of one step of `plans`, on `batch_device` (default: the cache's;
+    the fast path takes host tensors, which it uploads itself)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = [-(-p.kv_len // block_size) for p in plans]
     cache = KVCacheStorage(cfg, num_slots=len(plans), num_blocks=sum(blocks), block_size=block_size, dtype=dtype, device=device)
@@ -228,24 +234,25 @@ def build_step(cfg: ModelConfig, plans: list[RequestPlan], *, block_size: int, d
         prev[b, p.start :] = -1  # only positions start-1, start-2, ... >= 0 exist
     total = sum(p.rows for p in plans)
     ids = torch.randint(0, cfg.vocab_size, (total,), generator=gen, device=device)
+    where = device if batch_device is None else batch_device
     positions = torch.cat([torch.arange(p.start, p.kv_len) for p in plans])
     offsets = [0]
     for p in plans:
         offsets.append(offsets[-1] + p.rows)
     logits_rows = torch.cat([torch.arange(o - p.logits_rows, o) for p, o in zip(plans, offsets[1:])])
     batch = ForwardBatch(
-        input_ids=ids,
-        positions=positions.to(device),
+        input_ids=ids.to(where),
+        positions=positions.to(where),
         start_pos=[p.start for p in plans],
         num_tokens=[p.rows for p in plans],
         slots=list(range(len(plans))),
-        block_tables=table.to(device),
-        prev_tokens=prev.to(device),
+        block_tables=table.to(where),
+        prev_tokens=prev.to(where),
         window_floor=[p.window_floor for p in plans],
         decoder_window_floor=[p.decoder_window_floor for p in plans],
         emit_from=[p.emit_from for p in plans],
         decoder_tokens=[p.decoder_rows for p in plans] if cfg.ced_split is not None else None,
-        logits_rows=logits_rows.to(device),
+        logits_rows=logits_rows.to(where),
     )
     return cache, batch
 
@@ -277,44 +284,22 @@ def time_step(step, device: torch.device, warmup: int, iters: int) -> list[float
     return times
 
 
-def _range_ms(events, on_device: bool) -> dict[str, float]:
-    """Time per profiler range, each without the ranges nested in it (dsv4.indexer runs
-    inside dsv4.attention): device time of its kernels on CUDA, CPU time otherwise."""
-
-    def duration(e) -> float:
-        return (e.device_time_total if on_device else e.cpu_time_total) / 1e3
-
-    def nested(e) -> list:
-        out = []
-        for child in e.cpu_children:
-            out += [child] if child.name.startswith(RANGE_PREFIX) else nested(child)
-        return out
-
-    totals: dict[str, float] = {}
-    for e in events:
-        if e.device_type != DeviceType.CPU or not e.name.startswith(RANGE_PREFIX):
-            continue
-        name = e.name[len(RANGE_PREFIX) :]
-        totals[name] = totals.get(name, 0.0) + duration(e) - sum(duration(c) for c in nested(e))
-    return totals
-
-
-def profile_step(step, device: torch.device, step_ms: float | None) -> dict[str, float]:
-    """One profiled step -> ms per component and "other" (the step minus the ranges). The
-    step time is `step_ms` (an unprofiled median) on CUDA, where the ranges are kernel times;
-    on CPU the ranges are wall times inflated by the profiler, so the profiled step's own wall
-    time is the reference."""
-    on_device = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        wall = (time.perf_counter() - t0) * 1e3
-    ranges = _range_ms(prof.events(), on_device)
-    out = {c: ranges.get(c, 0.0) for c in COMPONENTS}
-    total = step_ms if on_device and step_ms is not None else wall
-    out["other"] = max(total - sum(out.values()), 0.0)
+def breakdown(step, device: torch.device, total_ms: float, graph_step=None) -> dict[str, float]:
+    """ms per component (dsv4.model.sections) and "other" (the step minus the sections). On
+    CUDA the sections are timed by events on the GPU: inside a captured graph when
+    `graph_step` is given (a callable that captures with the section events in the graph and
+    replays once), else in one eager step (so a section's time includes the GPU's idle gaps
+    while its kernels are launched). On CPU, by the wall clock of one step."""
+    if graph_step is not None:
+        with sections.timing(device, captured_only=True) as marks:
+            graph_step()
+    else:
+        with sections.timing(device) as marks:
+            step()
+    _sync(device)
+    parts = sections.exclusive_ms(marks)
+    out = {c: parts.get(c, 0.0) for c in COMPONENTS}
+    out["other"] = max(total_ms - sum(out.values()), 0.0)
     return out
 
 
@@ -334,48 +319,71 @@ class BenchOptions:
     warmup: int = 2
     iters: int = 5
     baseline: bool | None = None  # None: on for CUDA, off for CPU (both paths are dequantised there)
-    breakdown: bool = True  # one profiled step per case (costs seconds: the profiler's events)
+    breakdown: bool = True  # one step per case timed section by section (dsv4.model.sections)
+    cuda_graphs: bool = True  # decode-shaped cases on the fast path: time CUDA-graph replays too
+    fast_path: bool | None = None  # None: where it can run (CUDA, bf16, V4.1); True on CPU runs its torch references
     seed: int = 0
 
 
 def _run_case(model: Model, cfg: ModelConfig, case: Case, plans: list[RequestPlan], opts: BenchOptions, device: torch.device, dtype: torch.dtype) -> dict:
-    """Time (and profile) one case; its cache and batch are freed when this returns."""
+    """Time one case (and its sections); its cache and batch are freed when this returns. A
+    decode-shaped case on the fast path with CUDA graphs is timed as the engine runs it
+    (padded to its bucket, metadata copied in, graph replayed; the host's preparation is in
+    the time) and eagerly."""
     try:
-        cache, batch = build_step(cfg, plans, block_size=opts.block_size, dtype=dtype, device=device, seed=opts.seed)
+        cache, batch = build_case(cfg, plans, block_size=opts.block_size, dtype=dtype, device=device, seed=opts.seed,
+                                  batch_device=torch.device("cpu") if model.fast else device)
 
-        def step():
+        def eager():
             with torch.inference_mode():
-                hidden = model.forward(batch, cache)
-                with record_function(RANGE_PREFIX + "head"):
-                    return model.logits(hidden)
+                return model.logits(model.forward(batch, cache))
 
-        times = time_step(step, device, opts.warmup, opts.iters)
-        median = statistics.median(times)
-        parts = profile_step(step, device, median) if opts.breakdown else None
+        def graphs():
+            return DecodeGraphs(model, cache, max_blocks=batch.block_tables.shape[1], sizes=(batch.num_requests,), rows=max(batch.num_tokens))
+
+        def timed_graph():  # a second capture, with the section events in the graph
+            timed = graphs()
+            timed.capture()
+            timed.run(batch)
+
+        times = time_step(eager, device, opts.warmup, opts.iters)
+        graph_times, host_ms = None, None
+        if opts.cuda_graphs and model.fast and device.type == "cuda" and graphs().fits(batch):
+            runner = graphs()
+            runner.capture()
+            graph_times = time_step(lambda: runner.run(batch), device, opts.warmup, opts.iters)
+            host_ms = runner.host_ms
+            del runner
+        median = statistics.median(graph_times or times)
+        parts = breakdown(eager, device, median, timed_graph if graph_times else None) if opts.breakdown else None
     except torch.OutOfMemoryError as exc:
         return {"error": f"out of memory: {str(exc).splitlines()[0]}"}
     total = sum(parts.values()) if parts else 0.0
     return {
         "median_ms": median,
-        "min_ms": min(times),
-        "times_ms": times,
+        "min_ms": min(graph_times or times),
+        "times_ms": graph_times or times,
+        "cuda_graph": graph_times is not None,
+        "graph_host_ms": host_ms,  # building and copying the step's metadata (inside the step time)
+        "eager_median_ms": statistics.median(times),
+        "eager_times_ms": times,
         "tokens_per_s": case.new_tokens / (median / 1e3),
         "breakdown_ms": parts,
         "breakdown_pct": {k: 100 * v / total if total else 0.0 for k, v in parts.items()} if parts else None,
     }
 
 
-def _path_results(label: str, cfg, cases, plans, token_map, opts, device, dtype, compact: bool, console) -> dict[str, dict]:
+def _path_results(label: str, cfg, cases, plans, token_map, opts, device, dtype, compact: bool, fast_path: bool | None, console) -> dict[str, dict]:
     """Build one path's weights and model and run every case; the model is freed on return."""
     weights = random_weights(cfg, dtype=dtype, device=device, compact=compact, seed=opts.seed)
-    model = Model(cfg, weights, dtype=dtype, device=device, token_map=token_map)
+    model = Model(cfg, weights, dtype=dtype, device=device, token_map=token_map, fast_path=fast_path)
     results: dict[str, dict] = {}
     for case in cases:
         if console is not None:
             console.print(f"  {label}: {case.text}", highlight=False)
         results[case.name] = _run_case(model, cfg, case, plans[case.name], opts, device, dtype)
         _free(device)
-    return results
+    return results, model.fast
 
 
 def _free(device: torch.device) -> None:
@@ -421,7 +429,7 @@ def run_bench(opts: BenchOptions, case_texts: list[str], console: Console | None
             f"{cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, {opts.dtype} on {device}"
         )
     try:
-        fast = _path_results("fast", cfg, cases, plans, token_map, opts, device, dtype, compact, console)
+        fast, fast_on = _path_results("fast", cfg, cases, plans, token_map, opts, device, dtype, compact, opts.fast_path, console)
     except torch.OutOfMemoryError:
         raise BenchError("the weights do not fit on the device; shrink them with --num-layers / --num-experts") from None
     _free(device)
@@ -431,7 +439,8 @@ def run_bench(opts: BenchOptions, case_texts: list[str], console: Console | None
         skipped = _reference_fits(cfg, dtype, device)
         if skipped is None:
             try:
-                reference = _path_results("reference", cfg, cases, plans, token_map, opts, device, dtype, False, console)
+                with torch_only():  # the HF-style baseline: torch ops throughout, cuBLAS GEMMs
+                    reference, _ = _path_results("reference", cfg, cases, plans, token_map, opts, device, dtype, False, False, console)
             except torch.OutOfMemoryError:
                 skipped = "out of memory while building the dequantised weights"
             _free(device)
@@ -469,7 +478,8 @@ def run_bench(opts: BenchOptions, case_texts: list[str], console: Console | None
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "fast_path": "compact FP8 weights" if compact else "dequantised weights",
+        "fast_path": ("compact FP8 weights" if compact else "dequantised weights") + (", fast path" if fast_on else ", reference ops")
+        + (", CUDA graphs for decode" if fast_on and compact and opts.cuda_graphs else ""),
         "block_size": opts.block_size,
         "bounded_replay": opts.bounded_replay,
         "warmup": opts.warmup,
@@ -491,7 +501,7 @@ def _ms(value: float) -> str:
 def tables(doc: dict) -> list[Table]:
     """The console report: steps vs floor and baseline; time by component; floor by component."""
     main = Table(title=f"forward steps ({doc['fast_path']}, {doc['dtype']} on {doc['device_name']})")
-    for col in ("case", "reqs", "new tok", "rows", "step ms", "tok/s", "floor ms", "mem | compute ms", "bound", "x floor", "ref ms", "ref/fast"):
+    for col in ("case", "reqs", "new tok", "rows", "step ms", "eager ms", "tok/s", "floor ms", "mem | compute ms", "bound", "x floor", "ref ms", "ref/fast"):
         main.add_column(col, justify="left" if col == "case" else "right")
     parts = Table(title="step time by component, % (attention excludes the indexer)")
     floor = Table(title="floor by component, ms (m = memory bound, c = compute bound)")
@@ -506,12 +516,13 @@ def tables(doc: dict) -> list[Table]:
         sizes = (e["case"], str(e["requests"]), str(e["new_tokens"]), str(e["rows"]))
         floors = (_ms(fl["floor_ms"]), f"{_ms(fl['memory_ms'])} | {_ms(fl['compute_ms'])}", fl["bound"])
         if "error" in f:
-            main.add_row(*sizes, f["error"], "-", *floors, "-", "-", "-")
+            main.add_row(*sizes, f["error"], "-", "-", *floors, "-", "-", "-")
         else:
             rate = f["tokens_per_s"]
             ref = _ms(r["median_ms"]) if "median_ms" in r else r.get("error", "skipped")
             ratio = f"{e['reference_ratio']:.2f}" if e["reference_ratio"] else "-"
-            main.add_row(*sizes, _ms(f["median_ms"]), f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}", *floors, f"{e['floor_ratio']:,.1f}", ref, ratio)
+            step = _ms(f["median_ms"]) + (" (graph)" if f["cuda_graph"] else "")
+            main.add_row(*sizes, step, _ms(f["eager_median_ms"]), f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}", *floors, f"{e['floor_ratio']:,.1f}", ref, ratio)
             if f["breakdown_pct"] is not None:
                 parts.add_row(e["name"], *[f"{f['breakdown_pct'][c]:.1f}" for c in (*COMPONENTS, "other")])
         comps = fl["components"]
@@ -546,7 +557,9 @@ def register_forward(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None, help="also time the dequantised reference path (default: on for CUDA)")
-    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True, help="profile one step per case for the time by component")
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True, help="time one step per case section by section (the time by component)")
+    p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None, help="the fast path (default: where it can run: CUDA, bfloat16, V4.1; on CPU it runs its torch references)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="decode-shaped cases on the fast path: also time them as CUDA-graph replays (the step time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the results here")
     p.set_defaults(func=forward_main)
@@ -557,7 +570,7 @@ def forward_main(args) -> int:
     opts = BenchOptions(
         config=args.config, num_layers=args.num_layers, num_experts=args.num_experts, engram_rows=args.engram_rows,
         dtype=args.dtype, device=args.device, block_size=args.block_size, bounded_replay=args.swa_bounded_replay,
-        warmup=args.warmup, iters=args.iters, baseline=args.baseline, breakdown=args.breakdown, seed=args.seed,
+        warmup=args.warmup, iters=args.iters, baseline=args.baseline, breakdown=args.breakdown, cuda_graphs=args.cuda_graphs, fast_path=args.fast_path, seed=args.seed,
     )
     try:
         doc = run_bench(opts, args.cases, console)

@@ -16,6 +16,7 @@ import torch
 from dsv4.cache.manager import KVCacheManager, plan_capacity
 from dsv4.cache.storage import KVCacheStorage
 from dsv4.config import EngineConfig, load_config
+from dsv4.engine.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
 from dsv4.engine.detokenizer import RequestStream, TokenBytes
 from dsv4.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from dsv4.engine.request import Request
@@ -53,14 +54,20 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         token_map = engram_token_map(self.tokenizer) if mcfg.engram_layer_ids else None
         weights = load_weights(model_dir, mcfg, dtype=dtype, device=self.device, compact=self.device.type == "cuda", progress=progress)
-        self.model = Model(mcfg, weights.tensors, dtype=dtype, device=self.device, token_map=token_map)
+        self.model = Model(mcfg, weights.tensors, dtype=dtype, device=self.device, token_map=token_map, fast_path=cfg.fast_path)
         num_blocks = plan_capacity(mcfg, cfg.block_size, _kv_budget(cfg, self.device), cfg.max_num_seqs, dtype, max_model_len=cfg.max_model_len or cfg.block_size)
         capacity = num_blocks * cfg.block_size
         self.max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, capacity)
         self.storage = KVCacheStorage(mcfg, num_slots=cfg.max_num_seqs, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype, device=self.device)
         self.manager = KVCacheManager(mcfg, self.storage, cfg.block_size, num_blocks, cfg.max_num_seqs, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, mcfg, self.manager)
-        self.runner = ModelRunner(self.model, self.storage, self.manager)
+        decode = None
+        if self.model.fast:  # decode steps padded to buckets; CUDA graphs unless enforce_eager
+            sizes = [s for s in DEFAULT_SIZES if s < cfg.max_num_seqs] + [cfg.max_num_seqs]
+            use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+            decode = DecodeGraphs(self.model, self.storage, max_blocks=-(-self.max_model_len // cfg.block_size), sizes=sizes, use_graphs=use_graphs)
+            decode.capture()
+        self.runner = ModelRunner(self.model, self.storage, self.manager, decode)
         self.sampler = Sampler(make_generator(cfg.seed, self.device))
         self.token_bytes = TokenBytes(self.tokenizer.backend)
         self._groups: dict[str, list[Request]] = {}

@@ -10,6 +10,7 @@ import torch
 
 from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.storage import KVCacheStorage
+from dsv4.engine.cuda_graphs import DecodeGraphs
 from dsv4.engine.scheduler import Chunk
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.model import Model
@@ -23,8 +24,11 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, storage: KVCacheStorage, manager: KVCacheManager):
-        self.model, self.storage, self.manager = model, storage, manager
+    """`decode`: runs decode-shaped steps padded to size buckets (from CUDA graphs on the
+    GPU); None: every step runs the model as it comes (the reference path)."""
+
+    def __init__(self, model: Model, storage: KVCacheStorage, manager: KVCacheManager, decode: DecodeGraphs | None = None):
+        self.model, self.storage, self.manager, self.decode = model, storage, manager, decode
         self.device = model.device
         self.lookback = max(model.cfg.engram_max_ngram_size - 1, 1)
 
@@ -58,7 +62,7 @@ class ModelRunner:
             offset += c.num_tokens
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
-        dev = self.device
+        dev = "cpu" if self.model.fast else self.device  # the fast path uploads its own step (dsv4.model.step)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(pos, dtype=torch.long, device=dev),
@@ -77,5 +81,7 @@ class ModelRunner:
 
     def run(self, chunks: list[Chunk]) -> StepLogits:
         batch, sample_rows, prompt_rows = self.build_batch(chunks)
+        if self.decode is not None and self.decode.fits(batch):
+            return StepLogits(self.decode.run(batch), sample_rows, prompt_rows)
         hidden = self.model.forward(batch, self.storage)
         return StepLogits(self.model.logits(hidden), sample_rows, prompt_rows)

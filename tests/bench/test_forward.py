@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dsv4.bench.forward import bench_config, build_step, register_forward
+from dsv4.bench.forward import bench_config, build_case, register_forward
 from dsv4.bench.roofline import (
     COMPONENTS,
     CaseError,
@@ -264,7 +264,7 @@ def test_model_runs_on_random_weights_and_a_random_cache(arch):
     token_map = torch.randint(0, cfg.engram_compressed_vocab_size, (cfg.vocab_size,))
     model = Model(cfg, w, dtype=torch.float32, device="cpu", token_map=token_map)
     plans = plan_case(cfg, parse_case("m=24@40,2*1@64,3@50:2"))
-    cache, batch = build_step(cfg, plans, block_size=256, dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    cache, batch = build_case(cfg, plans, block_size=256, dtype=torch.float32, device=torch.device("cpu"), seed=0)
     assert batch.input_ids.numel() == sum(p.rows for p in plans)
     hidden = model.forward(batch, cache)
     assert hidden.shape == (1 + 2 + 3, cfg.hidden_size)
