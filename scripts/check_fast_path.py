@@ -42,6 +42,7 @@ from dsv4.ops.linear import Linear, linear
 from dsv4.ops.moe import experts_forward
 from dsv4.ops.triton import attention as t_attention
 from dsv4.ops.triton import engram as t_engram
+from dsv4.ops.triton import fp8_gemm
 from dsv4.ops.triton import indexer as t_indexer
 from dsv4.ops.triton import kv as t_kv
 from dsv4.ops.triton import mhc as t_mhc
@@ -145,8 +146,16 @@ def install(checker: Checker) -> None:
     c.wrap(t_engram, "hash_ids", lambda ids, req, local, pos, prev, tmap, mult, primes, offsets, pad: _hash_reference(ids, req, local, pos, prev, tmap, mult, primes, offsets, pad))
     c.wrap(t_engram, "lookup", lambda table, scale, ids, dtype: _lookup_reference(table, scale, ids, dtype))
     c.wrap(t_engram, "gate", lambda streams, kv_rows, weight, eps: _gate_reference(streams, kv_rows, weight, eps))
-    c.wrap(triton_ops, "fp8_linear_w8a16", lambda x, w, s, block: linear(x, quant.dequant_fp8_block(w, s, block).to(x.dtype)))
+    c.wrap(fp8_gemm, "fp8_linear_w8a16", _w8a16_reference)
+    c.wrap(triton_ops, "fp8_linear_w8a16", _w8a16_reference)
     c.wrap(triton_ops, "moe_experts", _moe_reference)
+
+
+def _w8a16_reference(x, w, s, block, groups=1):
+    """bf16 GEMMs on the exactly dequantised weight, group by group."""
+    dense = quant.dequant_fp8_block(w, s, block).to(x.dtype)
+    n, k = dense.shape[0] // groups, dense.shape[1]
+    return torch.cat([linear(x[..., g * k : (g + 1) * k], dense[g * n : (g + 1) * n]) for g in range(groups)], dim=-1)
 
 
 def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down):

@@ -1581,7 +1581,7 @@ def compile_targets() -> list[tuple]:
     a = "i32:16"  # sizes and strides that are multiples of 16 at the real shapes
     w8a16 = {
         "x_ptr": "*bf16:16", "w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "part_ptr": "*fp32:16", "count_ptr": "*i32:16",
-        "M": i, "N": a, "K": a, "CHUNK_K": a, "stride_xm": a, "stride_wn": a, "stride_sn": a, "stride_om": a,
+        "M": i, "N": a, "K": a, "CHUNK_K": a, "GROUP_ROWS": a, "stride_xm": a, "stride_wn": a, "stride_sn": a, "stride_om": a,
     }
     for max_rows, cfg in fp8_gemm.W8A16["rows"]:
         for block in (32, 128):
@@ -1624,12 +1624,29 @@ def compile_targets() -> list[tuple]:
         consts = {"BLOCK_T": bt, "E_BLOCK": e_block, "P_BLOCK": max(16, min(64, 8192 // e_block)), "FILL": 1024}
         out.append((f"moe align E<={e_block}", moe._align_kernel, align, consts, {"num_warps": 8 if e_block >= 256 else 4}))
     out.append(("moe slot sum", moe._sum_slots_kernel, {"y_ptr": "*bf16:16", "ids_ptr": "*i64:16", "out_ptr": "*fp32:16", "D": a}, {"TOPK": 6, "K_BLOCK": 8, "BLOCK": 1024}, {"num_warps": 4}))
+    dequant = {"w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "N": a, "K": a, "stride_wn": a, "stride_sn": a, "stride_on": a}
+    for qrows, qcols in ((32, 32), (1, 32)):
+        out.append((f"dequant fp8 scales {qrows}x{qcols}", fp8_gemm._dequant_kernel, dequant,
+                    {"QROWS": qrows, "QCOLS": qcols, "BLOCK_R": 32, "BLOCK_C": 128, "PTX": True}, {"num_warps": 4}))
+    from dsv4.ops.triton import rowwise
+
+    norm = {"x_ptr": "*bf16:16", "w_ptr": "*bf16:16", "out_ptr": "*bf16:16", "stride_x": a, "stride_o": a, "N": a, "eps": f}
+    for width in (512, 1280, 5120):
+        out.append((f"rms_norm D={width}", rowwise._rms_norm_kernel, norm, {"WEIGHT_IN_FP32": False, "BLOCK": triton_next_pow2(width)}, {"num_warps": 4 if width <= 2048 else 8}))
+    rope = {"x_ptr": "*bf16:16", "cos_ptr": "*bf16:16", "sin_ptr": "*bf16:16", "out_ptr": "*bf16:16", "M": i, "D": a,
+            "stride_xt": a, "stride_xm": a, "stride_ot": a, "stride_om": a, "stride_c": a}
+    for inverse in (False, True):
+        out.append((f"rope D=512 inverse={inverse}", rowwise._rope_kernel, rope, {"HALF": 32, "INVERSE": inverse, "BLOCK": 512}, {"num_warps": 2, "enable_fp_fusion": False}))
     out.extend(attention_compile_targets())
     out.extend(kv_store_compile_targets())
     out.extend(engram_compile_targets())
     out.extend(mhc_compile_targets())
     out.extend(indexer_compile_targets())
     return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def attention_compile_targets() -> list[tuple]:

@@ -3,13 +3,14 @@
 # against its reference, the golden sets on CUDA (greedy with vs without CUDA graphs), the
 # forward benchmark. Prepare here first (bash scripts/prepare_device.sh), then
 #   run(command="bash scripts/device_run.sh", carry=["devdata", ".device_wheels"])
-# Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact), KERNEL_SECTIONS,
-# KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT.
+# Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline), KERNEL_SECTIONS,
+# KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
+# BASELINE_CASES, BASELINE_TIMEOUT.
 # Results under $OUT.
 set -uo pipefail
 pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-STEPS=${STEPS:-kernels,insitu,golden,bench,exact}
+STEPS=${STEPS:-kernels,insitu,golden,bench,exact,baseline}
 LOG=$OUT/log.txt
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; git log -1 --format=%H 2>/dev/null; git status --short 2>/dev/null | head -30; } | tee "$OUT/gpu.txt"
 
@@ -42,4 +43,10 @@ if want exact; then  # the same prefill in exact replay mode (every decoder laye
   timeout "${EXACT_TIMEOUT:-150}" python -m dsv4.cli bench forward --config v41 --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 1 --iters 3 --no-swa-bounded-replay --json "$OUT/forward_exact.json" ${BENCH_FLAGS:---no-baseline} \
     ${EXACT_CASES:-"p32k=32768"} 2>&1 | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -20
+fi
+if want baseline; then  # the HF-style reference path (dequantised bf16 weights, torch ops) on a few cases
+  echo "=== baseline" | tee -a "$LOG"
+  timeout "${BASELINE_TIMEOUT:-150}" python -m dsv4.cli bench forward --config v41 --num-layers 8 --num-experts 64 --device cuda \
+    --dtype bfloat16 --warmup 1 --iters 3 --baseline --no-breakdown --json "$OUT/forward_baseline.json" \
+    ${BASELINE_CASES:-"d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192"} 2>&1 | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -12
 fi

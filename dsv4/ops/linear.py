@@ -45,6 +45,10 @@ class Linear:
         check and no host synchronisation here)."""
         if self.scale is None:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        if self.weight.is_cuda and dtype == torch.bfloat16:  # one kernel, no fp32 temporaries
+            from dsv4.ops.triton import fp8_gemm
+
+            return fp8_gemm.dequant_fp8(self.weight, self.scale, self.block, self.row_scales)
         if self.row_scales:
             return quant.dequant_fp8_rows(self.weight, self.scale, 32, validate=False).to(dtype)
         return quant.dequant_fp8_block(self.weight, self.scale, self.block, validate=False).to(dtype)
@@ -58,3 +62,17 @@ class Linear:
 
             return fp8_linear_w8a16(x, self.weight, self.scale, self.block)
         return linear(x, self.dense(x.dtype))
+
+
+def grouped_linear(x: torch.Tensor, whole: Linear, parts: list[Linear]) -> torch.Tensor:
+    """A block-diagonal projection: x [R, G, K] (G groups of K inputs) -> [R, G * N_g], group g
+    through `parts[g]` (rows g*N_g .. of `whole`). Compact FP8 on the GPU, decode-sized: one
+    launch of the weight-only kernel for all groups; otherwise one projection per group."""
+    groups = len(parts)
+    rows = x.shape[0]
+    if whole.scale is not None and not whole.row_scales and x.is_cuda and x.dtype == torch.bfloat16 and rows < DENSE_GEMM_ROWS:
+        from dsv4.ops.triton import fp8_gemm
+
+        if fp8_gemm.grouped_fits(whole.out_features // groups, rows):
+            return fp8_gemm.fp8_linear_w8a16(x.reshape(rows, -1), whole.weight, whole.scale, whole.block, groups=groups)
+    return torch.cat([w(x[:, g]) for g, w in enumerate(parts)], dim=-1)

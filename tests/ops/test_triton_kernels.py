@@ -104,6 +104,32 @@ class _PoisonedTorch:
 # ----------------------------------------------------------------------------------- fp8 GEMM
 
 
+@pytest.mark.parametrize("row_scales,n,k,block", [(False, 70, 100, 32), (False, 40, 300, 128), (True, 50, 96, 32)])
+def test_dequant_fp8_is_exact(row_scales, n, k, block):
+    g = _gen(n + k)
+    w = (torch.randn(n, k, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.randint(110, 140, (n, k // 32) if row_scales else (-(-n // block), -(-k // block)), generator=g, dtype=torch.uint8)
+    ref = quant.dequant_fp8_rows(w, s) if row_scales else quant.dequant_fp8_block(w, s, block)
+    out = fp8_gemm.dequant_fp8(w.to(DEVICE), s.to(DEVICE), block, row_scales)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.cpu().float(), ref)
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_fp8_linear_w8a16_grouped_is_each_group_on_its_inputs(m):
+    """groups=3: one launch of a block-diagonal projection (the attention's grouped wo_a)."""
+    g = _gen(m + 77)
+    groups, n_g, k, block = 3, 128, 96, 32
+    x = torch.randn(m, groups * k, generator=g).bfloat16()
+    w, s = _fp8_weight(groups * n_g, k, block, g)
+    dense = quant.dequant_fp8_block(w, s, block).double()
+    ref = torch.cat([x[:, i * k : (i + 1) * k].double() @ dense[i * n_g : (i + 1) * n_g].T for i in range(groups)], dim=1)
+    y = fp8_gemm.fp8_linear_w8a16(x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), block, groups=groups)
+    assert y.shape == (m, groups * n_g)
+    assert _rel_err(y, ref) <= BF16_REL * 1.01
+    with pytest.raises(ValueError, match="groups=2"):
+        fp8_gemm.fp8_linear_w8a16(x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), block, groups=2)
+
+
 @pytest.mark.parametrize(
     "m,n,k,block",
     [

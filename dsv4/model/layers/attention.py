@@ -28,7 +28,7 @@ from dsv4.model.step import Rows, Step
 from dsv4.ops import attention as attention_ops
 from dsv4.ops import indexer as index_ops
 from dsv4.ops import kv as kvops
-from dsv4.ops.linear import Linear, linear
+from dsv4.ops.linear import Linear, grouped_linear, linear
 from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import RopeTables, apply_rope
 
@@ -611,7 +611,7 @@ class Attention:
         through its slice of wo_a, then wo_b."""
         g = self.cfg.o_groups
         grouped = out.reshape(out.shape[0], g, out.shape[1] * out.shape[2] // g)
-        return self.wo_b(torch.cat([w(grouped[:, k]) for k, w in enumerate(self.wo_a_groups)], dim=-1))
+        return self.wo_b(grouped_linear(grouped, self.wo_a, self.wo_a_groups))
 
     def _compressed_keys(self, segs, batch, cache, shared, dtype):
         """The compressed entries each query attends: the top-k of the governing index source

@@ -169,11 +169,13 @@ def dequant_rows(w, scale_byte, PTX: tl.constexpr):
 # untransposed; the next sweep re-measures): 16 rows N128 K128 s3 (22%; s4 21%), 64 rows N128
 # K64 s6 (14%, level with a 32-row mma.sync tile that read the weights twice), 128 rows N128
 # K64 g8 w8 s3 (15%); 32 rows was not swept.
+# Device run 2 (transposed kernel, geometric mean over the 10 projections): 16 rows N64 s4
+# (20%), 32 rows N64 s4 (18%), 64 rows N128 K128 w8 s3 (14%), 128 rows unchanged (16%).
 W8A16 = {
     "rows": (
-        (16, {"BLOCK_T": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 3}),
-        (32, {"BLOCK_T": 32, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 3}),
-        (64, {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_T": 1, "num_warps": 4, "num_stages": 6}),
+        (16, {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 4}),
+        (32, {"BLOCK_T": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 4}),
+        (64, {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 8, "num_stages": 3}),
         (None, {"BLOCK_T": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_T": 8, "num_warps": 8, "num_stages": 3}),
     ),
     # wq_a: 10 chunks of 512 beat the default 20 of 256 by 14% over M = 1, 8, 64 (device run 1)
@@ -199,7 +201,7 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, CHUNK_K,
+    M, N, K, CHUNK_K, GROUP_ROWS,
     stride_xm, stride_wn, stride_sn, stride_om,
     QBLOCK: tl.constexpr, PIECE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
@@ -213,7 +215,8 @@ def _w8a16_kernel(
     order; chunk sums are added in order to a zero total. SPLIT: this program runs chunk
     program_id(1) only and stores its sum; the tile's last program to arrive (an integer
     ticket; no sum uses atomics) adds all partials in chunk order — the same additions, so the
-    same bits, as one program running every chunk."""
+    same bits, as one program running every chunk. GROUP_ROWS < N: a block-diagonal product
+    (x holds N / GROUP_ROWS groups of K inputs, weight rows g*GROUP_ROWS .. read group g)."""
     pid = tl.program_id(0)
     tiles_t = tl.cdiv(M, BLOCK_T)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -227,7 +230,9 @@ def _w8a16_kernel(
     rp = tl.arange(0, PIECE)
     t_ok = rt < M
     n_ok = rn < N
-    x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_xm  # int64 rows (and at the stores): M x N passes 2**31 from 64K rows of wq_b
+    # int64 rows (and at the stores): M x N passes 2**31 from 64K rows of wq_b. Grouped
+    # (GROUP_ROWS weight rows per group): the tile's group reads its own K inputs of x.
+    x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_xm + (pid_n * BLOCK_N // GROUP_ROWS) * K
     w_rows = w_ptr + rn[:, None] * stride_wn
     s_rows = s_ptr + (rn // QBLOCK) * stride_sn
     if SPLIT:
@@ -309,6 +314,12 @@ def w8a16_config(m: int) -> dict:
     raise ValueError("W8A16['rows'] must end with a class for any row count (max_rows None)")
 
 
+def grouped_fits(group_rows: int, m: int) -> bool:
+    """Whether an m-row grouped call with `group_rows` weight rows per group tiles evenly
+    (each weight tile inside one group)."""
+    return group_rows % w8a16_config(m)["BLOCK_N"] == 0
+
+
 def wgmma_tile_error(rows: int, cols: int, warps: int) -> str | None:
     """Why a [rows (weights, the MMA's M), cols (tokens, its N)] accumulator tile at `warps`
     warps would not compile to whole-warp-group wgmma (see the W8A16 notes), or None."""
@@ -344,18 +355,28 @@ def _tile_counters(device: torch.device, split: bool) -> torch.Tensor:
     return counters
 
 
-def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int) -> torch.Tensor:
+def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int, groups: int = 1) -> torch.Tensor:
     """Weight-only dequantisation in the kernel; bf16 x bf16 tensor-core products (any M).
 
     Calls with few output tiles (decode) run one program per K chunk; larger ones one program
-    per tile over all chunks. Both give the same bits (see `_w8a16_kernel`)."""
-    x2, lead, w_scale = _check(x, w, w_scale, block)
-    m, k = x2.shape
-    n = w.shape[0]
+    per tile over all chunks. Both give the same bits (see `_w8a16_kernel`).
+
+    `groups` > 1: a grouped (block-diagonal) projection in one launch — x [..., groups * K],
+    w [groups * N_g, K]: output columns g*N_g .. of group g are x's inputs g*K .. times rows
+    g*N_g .. of w (the attention's grouped wo_a), the same bits as each group on its own."""
+    n, k = w.shape
+    if groups < 1 or n % groups or x.shape[-1] != groups * k:
+        raise ValueError(f"fp8_linear_w8a16: groups={groups} needs x [..., {groups} * {k}] and a weight of rows divisible by {groups}, got x {list(x.shape)}, weight {[n, k]}")
+    x2, lead, w_scale = _check(x.reshape(-1, groups, k)[:, 0] if groups > 1 else x, w, w_scale, block)
+    if groups > 1:
+        x2, lead = x.reshape(-1, groups * k).contiguous(), tuple(x.shape[:-1])
+    m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
     cfg = w8a16_config(m)
     bn, bt, bk = cfg["BLOCK_N"], cfg["BLOCK_T"], cfg["BLOCK_K"]
+    if groups > 1 and (n // groups) % bn:
+        raise ValueError(f"fp8_linear_w8a16: a group's {n // groups} rows must be whole {bn}-row tiles")
     if bk < min(block, 32) or CHUNK_ALIGN % bk:
         raise ValueError(f"fp8_linear_w8a16: BLOCK_K {bk} must be a power of two in [{min(block, 32)}, {CHUNK_ALIGN}]")
     bad = wgmma_tile_error(bn, bt, cfg["num_warps"])
@@ -368,13 +389,50 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     part = torch.empty(chunks if split else 0, m, n, dtype=torch.float32, device=x.device)
     _w8a16_kernel[(tiles, chunks if split else 1)](
-        x2, w, w_scale, out, part, _tile_counters(x.device, split), m, n, k, chunk_k,
+        x2, w, w_scale, out, part, _tile_counters(x.device, split), m, n, k, chunk_k, n // groups,
         x2.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
         SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx_convert(x.device), LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out.view(*lead, n)
+
+
+# ------------------------------------------------------------------------------ dequantisation
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                    QROWS: tl.constexpr, QCOLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PTX: tl.constexpr):
+    """out [BLOCK_R, BLOCK_C] tile = w * 2**(s - 127), one scale per QROWS x QCOLS weights."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < N
+    for c0 in tl.static_range(0, BLOCK_C, QCOLS):
+        cols = tl.program_id(1) * BLOCK_C + c0 + tl.arange(0, QCOLS)
+        ok = r_ok[:, None] & (cols < K)[None, :]
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :], mask=ok, other=0.0)
+        col = tl.minimum((tl.program_id(1) * BLOCK_C + c0) // QCOLS, (K - 1) // QCOLS)  # a piece past K stores nothing
+        s = tl.load(s_ptr + (rows // QROWS) * stride_sn + col, mask=r_ok, other=127)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], dequant_rows(w, s, PTX), mask=ok)
+
+
+def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bool) -> torch.Tensor:
+    """FP8 weight -> bf16 in one pass (1 byte read, 2 written per weight): one E8M0 scale per
+    `block` x `block` tile, or per 32 inputs of a row (`row_scales`); exactly
+    `quant.dequant_fp8_block` / `quant.dequant_fp8_rows`, without their fp32 temporaries.
+    The dense prefill paths (cuBLAS on bf16) dequantise their weights with it."""
+    n, k = w.shape
+    qrows, qcols = (1, 32) if row_scales else (block, block)
+    scale = quant.e8m0_bytes(scale)
+    if tuple(scale.shape) != (triton.cdiv(n, qrows), triton.cdiv(k, qcols)) or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"dequant_fp8: weight float8_e4m3fn {[n, k]} needs scales {[triton.cdiv(n, qrows), triton.cdiv(k, qcols)]}, got {w.dtype} {list(scale.shape)}")
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
+    block_c = max(qcols, 128)
+    _dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_c))](
+        w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0),
+        QROWS=qrows, QCOLS=qcols, BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=4,
+    )
+    return out
 
 
 # ------------------------------------------------------------------------------ w8a8 kernels
