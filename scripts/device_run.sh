@@ -42,11 +42,11 @@ if want exact; then  # the same prefill in exact replay mode (every decoder laye
   echo "=== exact" | tee -a "$LOG"
   timeout "${EXACT_TIMEOUT:-150}" python -m dsv4.cli bench forward --config v41 --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 1 --iters 3 --no-swa-bounded-replay --json "$OUT/forward_exact.json" ${BENCH_FLAGS:---no-baseline} \
-    ${EXACT_CASES:-"p32k=32768"} 2>&1 | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -20
+    ${EXACT_CASES:-p32k=32768} 2>&1 | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -20
 fi
 if want baseline; then  # the HF-style reference path (dequantised bf16 weights, torch ops) on a few cases
   echo "=== baseline" | tee -a "$LOG"
   timeout "${BASELINE_TIMEOUT:-150}" python -m dsv4.cli bench forward --config v41 --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 1 --iters 3 --baseline --no-breakdown --json "$OUT/forward_baseline.json" \
-    ${BASELINE_CASES:-"d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192"} 2>&1 | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -12
+    ${BASELINE_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192} 2>&1 | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -12
 fi
