@@ -12,9 +12,10 @@ not depend on its batch (batch invariance).
 
 Section gemm_sweep times candidate tilings of the decode-regime FP8 GEMM and MoE kernels
 (replayed from CUDA graphs) and prints the best per shape and the knob settings they suggest.
-Section attention_sweep (about 60 s: `--sections attention_sweep --budget 120`) times candidate
-sparse-attention tilings at decode T = 1, 8, 64, 256 and a 4096-token prefill chunk and prints
-each size's fastest correct one ("BEST") with its fraction of the floor.
+Section attention_sweep (under 60 s: `--sections attention_sweep --budget 120`) times candidate
+sparse-attention tilings at decode T = 1, 8, 64, 256 and a 4096-token prefill chunk, replayed
+from CUDA graphs over rotating input sets, and prints each size's fastest correct one ("BEST")
+with its fraction of the floor.
 
 Each section runs in its own process (a kernel that faults cannot take the others down) under
 a share of the time budget; a failing case is reported and the rest go on. Prints a table and
@@ -222,13 +223,13 @@ def section_fp8_linear() -> None:
 # ------------------------------------------------------------------------------ MoE
 
 
-def moe_data(t: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """V4.1-Flash routed experts (384 x 2304, top-6) with FP4-valued FP8 weights (the exact
+def moe_data(t: int, seed: int = 0, e: int = 384) -> tuple[torch.Tensor, ...]:
+    """V4.1-Flash routed experts (e x 2304, top-6) with FP4-valued FP8 weights (the exact
     conversion of the released experts) and random routing of t tokens."""
     from dsv4.model import quant
     from dsv4.ops import moe as moe_ref
 
-    e, d, inter, top_k = 384, 5120, 2304, 6
+    d, inter, top_k = 5120, 2304, 6
     g = torch.Generator(device="cuda").manual_seed(seed)
     lut = quant.fp4_lut(torch.device("cuda"))
     w13 = torch.empty(e, 2 * inter, d, dtype=torch.float8_e4m3fn, device="cuda")
@@ -293,7 +294,7 @@ def section_moe() -> None:
 # ------------------------------------------------------------------------------ GEMM sweep
 #
 # Candidate tilings of the decode-regime kernels — fp8_linear_w8a16 on PROJECTIONS at
-# SWEEP_ROWS rows, moe_experts at SWEEP_TOKENS tokens with SWEEP_EXPERTS experts (top-6) — each
+# SWEEP_ROWS rows, moe_experts at SWEEP_MOE (experts incl. the shared one, top-6 + shared) — each
 # checked against its reference and timed as decode will run it: replayed from a CUDA graph (no
 # host launch overhead), rotating over weight copies (MoE: routings) that together exceed the
 # 60 MB L2, so that every call streams its weights from HBM. Prints per shape the default and
@@ -302,8 +303,11 @@ def section_moe() -> None:
 # processes that warm Triton's disk cache.
 
 SWEEP_ROWS = (1, 32, 64, 256)  # one per row class (M = 1 stands for the 16-row class, 8 times as M = 1)
-SWEEP_TOKENS = (1, 8, 64, 256)
-SWEEP_EXPERTS = (384, 64)
+SWEEP_TOKENS = (1, 8, 64, 256)  # MoE section: the sizes also timed from a CUDA graph
+# (experts, tokens) of the MoE sweep, as the model calls it: the routed experts plus the shared
+# one as the last expert (every token's 7th slot, weight 1); V4.1-Flash and the 64-expert
+# benchmark config
+SWEEP_MOE = ((385, (1, 8, 64, 256)), (65, (1, 8, 64)))
 SWEEP_WORKERS = 8
 SWEEP_ROUTINGS = 4  # MoE calls per graph, each with its own routing
 ROTATE_BYTES = 192 << 20  # weight bytes the calls of one graph cycle through (> 3x the L2)
@@ -322,7 +326,9 @@ W8A16_TILES = {
 }
 SWEEP_ROW_TILES = {1: (16,), 32: (32,), 64: (64, 32), 256: (128, 64, 256)}  # rows -> row tiles tried
 # MoE candidates per row tile: ((BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up, of down),
-# whole-warp-group wgmma tiles too
+# whole-warp-group wgmma tiles too; each with the default MOE knobs. Besides them
+# `moe_candidates` times the previous path ("old": byte dequantisation, always a layout) and
+# pair tiles off / on where the default has them on / the pairs are few.
 MOE_TILES = {
     16: [((64, 128, 4, 4), (128, 128, 4, 4)), ((64, 128, 4, 3), (128, 128, 4, 3)), ((64, 64, 4, 6), (128, 64, 4, 6)),
          ((128, 128, 8, 3), (256, 128, 8, 3)), ((64, 128, 4, 4), (64, 128, 4, 4))],
@@ -469,15 +475,22 @@ def report_sweep(case: str, rows: list[dict]) -> None:
     record("gemm_sweep", case, f"best {best['label']} ({default})", ok=best["ok"] and same and "ms" in rows[0], same_bits=same, candidates=slim, **{k: best[k] for k in keep})
 
 
-def moe_routings(t: int, experts: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def moe_routings(t: int, experts: int, seed: int, shared: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """SWEEP_ROUTINGS random top-6 routings of t tokens; shared: over the first experts - 1,
+    with the last expert appended to every token at weight 1 (the model's shared expert)."""
     from dsv4.ops import moe as moe_ref
 
     g = torch.Generator(device="cuda").manual_seed(seed)
+    routed = experts - 1 if shared else experts
     out = []
     for _ in range(SWEEP_ROUTINGS):
-        scores = moe_ref.sqrtsoftplus(torch.randn(t, experts, device="cuda", generator=g))
-        weights, ids = moe_ref.route(scores, torch.zeros(experts, device="cuda"), 6, None, 1.5, True)
-        out.append((ids, weights.float()))
+        scores = moe_ref.sqrtsoftplus(torch.randn(t, routed, device="cuda", generator=g))
+        weights, ids = moe_ref.route(scores, torch.zeros(routed, device="cuda"), 6, None, 1.5, True)
+        weights = weights.float()
+        if shared:
+            ids = torch.cat([ids, torch.full_like(ids[:, :1], experts - 1)], dim=1)
+            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+        out.append((ids, weights))
     return out
 
 
@@ -498,8 +511,10 @@ class LazyExperts:
 
 
 def moe_candidates(pairs: int, experts: int) -> list[dict]:
-    """The default knobs first, the other tiles of its row tile, and the neighbouring row
-    tiles' first tiles."""
+    """{"cfg": row-class knobs, "knobs": other MOE overrides}: the defaults first, the previous
+    path ("old": byte dequantisation, a layout at any size), pair tiles toggled where they are
+    on by default or the pairs are few (<= 64), the other tiles of the default row tile and the
+    neighbouring row tiles' first tiles."""
     from dsv4.ops.triton import moe
 
     def make(bt, gu, dn):
@@ -507,19 +522,50 @@ def moe_candidates(pairs: int, experts: int) -> list[dict]:
 
     default = moe.moe_config(pairs, experts)
     bt = default["BLOCK_T"]
-    cands = [default] + [make(bt, gu, dn) for gu, dn in MOE_TILES.get(bt, []) if make(bt, gu, dn) != default]
-    cands += [make(b, *MOE_TILES[b][0]) for b in (bt // 2, bt * 2) if b in MOE_TILES]
+    cands = [{"cfg": default, "knobs": {}}, {"cfg": default, "knobs": {"DEQUANT": "bytes", "PAIR_TILES_MAX_PAIRS": 0}}]
+    if pairs <= moe.MOE["PAIR_TILES_MAX_PAIRS"]:
+        cands.append({"cfg": default, "knobs": {"PAIR_TILES_MAX_PAIRS": 0}})
+    elif pairs <= 64:
+        cands.append({"cfg": default, "knobs": {"PAIR_TILES_MAX_PAIRS": pairs}})
+    tiles = [make(bt, gu, dn) for gu, dn in MOE_TILES.get(bt, [])] + [make(b, *MOE_TILES[b][0]) for b in (bt // 2, bt * 2) if b in MOE_TILES]
+    cands += [{"cfg": cfg, "knobs": {}} for cfg in tiles if cfg != default]
     return cands
 
 
-def moe_label(cfg: dict) -> str:
+class moe_knobs:
+    """Applies a MoE candidate (its row class for every load, its MOE overrides) and restores
+    the knobs."""
+
+    def __init__(self, cand: dict):
+        self.cand = cand
+
+    def __enter__(self):
+        from dsv4.ops.triton import moe
+
+        self.saved = dict(moe.MOE)
+        moe.MOE.update(self.cand["knobs"], rows=((None, self.cand["cfg"]),))
+        return self
+
+    def __exit__(self, *exc):
+        from dsv4.ops.triton import moe
+
+        moe.MOE.clear()
+        moe.MOE.update(self.saved)
+
+
+def moe_label(cand: dict) -> str:
+    cfg, knobs = cand["cfg"], cand["knobs"]
     gu, dn = cfg["gate_up"], cfg["down"]
-    return f"T{cfg['BLOCK_T']} gu N{gu['BLOCK_N']} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
+    label = f"T{cfg['BLOCK_T']} gu N{gu['BLOCK_N']} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
+    if knobs.get("DEQUANT") == "bytes" and knobs.get("PAIR_TILES_MAX_PAIRS") == 0:
+        return label + " old"
+    return label + "".join(f" {k}={v}" for k, v in knobs.items())
 
 
-def sweep_moe_experts(experts: int, data: tuple) -> None:
-    """Every candidate at every SWEEP_TOKENS for one expert count (the first `experts` of the
-    384 generated)."""
+def sweep_moe_experts(experts: int, tokens: tuple, data: tuple) -> None:
+    """Every candidate at each of `tokens` for one expert count (the first `experts` of those
+    generated, the last as the shared expert); records per shape the best candidate (with the
+    default's time) and the previous path ("old") beside it."""
     from dsv4.ops import moe as moe_ref
     from dsv4.ops.triton import moe
 
@@ -527,33 +573,35 @@ def sweep_moe_experts(experts: int, data: tuple) -> None:
     w13, s13, w2, s2 = w13[:experts], s13[:experts], w2[:experts], s2[:experts]
     inter, d = w2.shape[2], w2.shape[1]
     dense = (LazyExperts(w13, s13, slice(0, inter)), LazyExperts(w2, s2, slice(None)), LazyExperts(w13, s13, slice(inter, 2 * inter)))
-    for t in SWEEP_TOKENS:
-        case = f"moe E={experts} T={t} D={d} I={inter} k=6"
-        routings = moe_routings(t, experts, seed=t + experts)
+    for t in tokens:
+        case = f"moe E={experts} T={t} D={d} I={inter} k=6+1"
+        routings = moe_routings(t, experts, seed=t + experts, shared=True)
         xt = x[:t]
+        k = routings[0][0].shape[1]
         used = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routings)
-        nbytes = used * 3 * inter * d * (1 + 1 / 32) + t * d * 6 + t * 6 * 12
-        flops = 2 * t * 6 * 3 * inter * d
+        nbytes = used * 3 * inter * d * (1 + 1 / 32) + t * d * 6 + t * k * 12
+        flops = 2 * t * k * 3 * inter * d
         ids0, wts0 = routings[0]
         probe = min(t, 4)  # rows checked against the reference (each row's result is independent)
         ref = moe_ref.experts_forward(xt[:probe], wts0[:probe], ids0[:probe], dense[0], dense[1], dense[2], 10.0, True).float()
         first = None
         rows = []
-        saved = moe.MOE["rows"]
-        for cfg in moe_candidates(t * 6, experts):
+        for cand in moe_candidates(t * k, experts):
             try:
-                moe.MOE["rows"] = ((None, cfg),)
-                y = moe.moe_experts(xt, ids0, wts0, w13, s13, w2, s2, 10.0, True)
-                err = norm_err(y[:probe], ref)
-                first = y if first is None else first
-                calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in routings]
-                rows.append(dict(label=moe_label(cfg), err=err, same_bits=torch.equal(y, first), ok=err <= 4 * 2**-8, **perf(graph_time(calls, reps=5), nbytes, flops, "bf16")))
-                SWEEP_RESULTS.append(dict(kind="moe", shape=experts, m=t, cand=cfg, **rows[-1]))
+                with moe_knobs(cand):
+                    y = moe.moe_experts(xt, ids0, wts0, w13, s13, w2, s2, 10.0, True)
+                    err = norm_err(y[:probe], ref)
+                    first = y if first is None else first
+                    calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in routings]
+                    rows.append(dict(label=moe_label(cand), err=err, same_bits=torch.equal(y, first), ok=err <= 4 * 2**-8, **perf(graph_time(calls, reps=5), nbytes, flops, "bf16")))
+                SWEEP_RESULTS.append(dict(kind="moe", shape=experts, m=t, k=k, cand=cand, **rows[-1]))
             except Exception as exc:  # noqa: BLE001 - one failing candidate does not stop the sweep
-                rows.append(dict(label=moe_label(cfg), error=f"{type(exc).__name__}: {exc}"[:300], ok=False))
-            finally:
-                moe.MOE["rows"] = saved
+                rows.append(dict(label=moe_label(cand), error=f"{type(exc).__name__}: {exc}"[:300], ok=False))
         report_sweep(case, rows)
+        old = rows[1]
+        if "ms" in old:
+            keep = ("ms", "tb_s", "tflop_s", "floor_ms", "of_floor", "bytes", "flops", "peak", "err")
+            record("gemm_sweep", case, "old (bytes, layout)", ok=old["ok"], same_bits=old["same_bits"], **{key: old[key] for key in keep})
 
 
 def suggested_knobs() -> str:
@@ -590,7 +638,7 @@ def suggested_knobs() -> str:
             best = max(full, key=full.get)
             parts.append(f"W8A16 CHUNKS[{shape}]={best} ({full[default]:.0%}->{full[best]:.0%})")
     moes = [r for r in SWEEP_RESULTS if r["kind"] == "moe"]
-    for c, (cand, frac) in sorted(best_tiles(moes, lambda r: moe.moe_config(r["m"] * 6, r["shape"])["BLOCK_T"]).items()):
+    for c, (cand, frac) in sorted(best_tiles(moes, lambda r: moe.moe_config(r["m"] * r["k"], r["shape"])["BLOCK_T"]).items()):
         parts.append(f"MOE rows(T{c} class) {moe_label(cand)} ({frac:.0%})")
     return "; ".join(parts)
 
@@ -601,9 +649,9 @@ def sweep_jobs() -> list[tuple]:
     for name, n, k, block in PROJECTIONS:
         for m in SWEEP_ROWS:
             jobs += [("w8a16", n, k, block, m, cand) for cand in w8a16_candidates(m, n, k, block)]
-    for experts in SWEEP_EXPERTS:
-        for t in SWEEP_TOKENS:
-            jobs += [("moe", experts, t, cfg) for cfg in moe_candidates(t * 6, experts)]
+    for experts, tokens in SWEEP_MOE:
+        for t in tokens:
+            jobs += [("moe", experts, t, cand) for cand in moe_candidates(t * 7, experts)]
     return jobs
 
 
@@ -626,18 +674,15 @@ def sweep_warm(index: int, count: int) -> None:
                 with w8a16_knobs(cand, n, k, block):
                     fp8_gemm.fp8_linear_w8a16(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16), w, s, block)
             else:
-                _, e, t, cfg = job
+                _, e, t, cand = job
                 if experts is None:
                     experts = (torch.zeros(64, 2 * 2304, 5120, dtype=torch.float8_e4m3fn, device="cuda"), torch.full((64, 2 * 2304, 160), 120, dtype=torch.uint8, device="cuda"),
                                torch.zeros(64, 5120, 2304, dtype=torch.float8_e4m3fn, device="cuda"), torch.full((64, 5120, 72), 120, dtype=torch.uint8, device="cuda"))
-                saved = moe.MOE["rows"]
-                moe.MOE["rows"] = ((None, cfg),)
-                try:
-                    ids = torch.randint(0, 64, (t, 6), device="cuda")
-                    moe.moe_experts(torch.zeros(t, 5120, device="cuda", dtype=torch.bfloat16), ids, torch.ones(t, 6, device="cuda"), *experts, 10.0, True)
-                    moe.align_by_expert(torch.randint(0, e, (t * 6,), device="cuda"), e, cfg["BLOCK_T"])
-                finally:
-                    moe.MOE["rows"] = saved
+                with moe_knobs(cand):
+                    ids = torch.randint(0, 64, (t, 7), device="cuda")
+                    moe.moe_experts(torch.zeros(t, 5120, device="cuda", dtype=torch.bfloat16), ids, torch.ones(t, 7, device="cuda"), *experts, 10.0, True)
+                    if t * 7 > moe.MOE["PAIR_TILES_MAX_PAIRS"]:
+                        moe.align_by_expert(torch.randint(0, e, (t * 7,), device="cuda"), e, cand["cfg"]["BLOCK_T"])
         except Exception:  # noqa: BLE001 - the main process meets and reports the same failure
             traceback.print_exc()
     torch.cuda.synchronize()
@@ -659,9 +704,9 @@ def section_gemm_sweep() -> None:
     record("gemm_sweep", "compile warm-up", f"{SWEEP_WORKERS} workers, {time.time() - start:.0f} s, {len(failed)} failed", failed=failed)
     for name, n, k, block in PROJECTIONS:
         guarded("gemm_sweep", f"w8a16 {name}", sweep_w8a16_shape, name, n, k, block)
-    x, _, _, w13, s13, w2, s2 = moe_data(max(SWEEP_TOKENS))
-    for experts in SWEEP_EXPERTS:
-        guarded("gemm_sweep", f"moe E={experts}", sweep_moe_experts, experts, (x, w13, s13, w2, s2))
+    x, _, _, w13, s13, w2, s2 = moe_data(max(t for _, tokens in SWEEP_MOE for t in tokens), e=max(e for e, _ in SWEEP_MOE))
+    for experts, tokens in SWEEP_MOE:
+        guarded("gemm_sweep", f"moe E={experts}", sweep_moe_experts, experts, tokens, (x, w13, s13, w2, s2))
     record("gemm_sweep", "suggested knobs", suggested_knobs() or "none (no complete results)")
 
 
@@ -669,22 +714,35 @@ def section_gemm_sweep() -> None:
 # ------------------------------------------------------------------------------ attention
 
 
-def attention_data(t: int, decode: bool, seed: int = 0) -> dict:
-    """Real-shape caches: 64 heads x 512, window 128, top-k 512 over a ratio-2 source (128
-    entries per 256-token block) with 64K-token contexts. decode: t requests of one token;
-    else one request's chunk of t tokens continuing at position 60000."""
+ATTN_SHAPE = {"h": 64, "dim": 512, "window": 128, "top": 512, "per_block": 128}  # V4.1-Flash
+
+
+def attention_caches(slots: int, g: torch.Generator, n_blocks: int = 8192) -> dict:
+    """Real-shape caches: an FP8 ring of `slots` request slots and a paged FP4 compressed cache
+    of n_blocks blocks (8192: 268 MB, several times the L2), and the per-head sink."""
     from dsv4.model import quant
 
-    h, dim, window, top, per_block, n_blocks = 64, 512, 128, 512, 128, 8192
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    reqs = t if decode else 1
-    ring_codes, ring_scales = quant.quantize_fp8_ue8m0(torch.randn(reqs, window, dim, device="cuda", generator=g), 32)
+    dim, window, per_block = ATTN_SHAPE["dim"], ATTN_SHAPE["window"], ATTN_SHAPE["per_block"]
+    ring_codes, ring_scales = quant.quantize_fp8_ue8m0(torch.randn(slots, window, dim, device="cuda", generator=g), 32)
     ckv_codes = torch.empty(n_blocks, per_block, dim // 2, dtype=torch.uint8, device="cuda")
     ckv_scales = torch.empty(n_blocks, per_block, dim // 16, dtype=torch.float8_e4m3fn, device="cuda")
     for b0 in range(0, n_blocks, 256):
-        c, s = quant.quantize_fp4(torch.randn(256, per_block, dim, device="cuda", generator=g), 16, e4m3_scale=True)
+        c, s = quant.quantize_fp4(torch.randn(min(256, n_blocks - b0), per_block, dim, device="cuda", generator=g), 16, e4m3_scale=True)
         ckv_codes[b0 : b0 + 256], ckv_scales[b0 : b0 + 256] = c, s
-    block_tables = torch.randint(0, n_blocks, (reqs, 256), device="cuda", generator=g)
+    sink = torch.randn(ATTN_SHAPE["h"], device="cuda", generator=g)
+    return {"ring_codes": ring_codes, "ring_scales": ring_scales, "ckv_codes": ckv_codes, "ckv_scales": ckv_scales, "sink": sink}
+
+
+def attention_inputs(caches: dict, t: int, decode: bool, g: torch.Generator, slot0: int = 0) -> dict:
+    """One call's arguments over `caches`: top-k 512 over a ratio-2 source (128 entries per
+    256-token block) with 64K-token contexts, random block tables. decode: t requests of one
+    token (ring slots slot0 ..); else one request's chunk of t tokens continuing at position
+    60000 (slot slot0)."""
+    from dsv4.model import quant
+
+    h, dim = ATTN_SHAPE["h"], ATTN_SHAPE["dim"]
+    reqs = t if decode else 1
+    block_tables = torch.randint(0, caches["ckv_codes"].shape[0], (reqs, 256), device="cuda", generator=g)
     if decode:
         positions = 65536 + torch.randint(0, 1000, (t,), device="cuda", generator=g)
         start_pos, token_req, row_start = positions.clone(), torch.arange(t, device="cuda"), torch.arange(t, device="cuda")
@@ -692,25 +750,28 @@ def attention_data(t: int, decode: bool, seed: int = 0) -> dict:
         positions = 60000 + torch.arange(t, device="cuda")
         start_pos, token_req = positions[:1].clone(), torch.zeros(t, dtype=torch.long, device="cuda")
         row_start = torch.zeros(1, dtype=torch.long, device="cuda")
-    topk = torch.rand(t, 30000, device="cuda", generator=g).topk(top, dim=1).indices  # 30000 entries visible
+    topk = torch.rand(t, 30000, device="cuda", generator=g).topk(ATTN_SHAPE["top"], dim=1).indices  # 30000 entries visible
     return {
         "q": torch.randn(t, h, dim, device="cuda", generator=g).bfloat16(),
         "kv_new": quant.fake_quant_fp8(torch.randn(t, dim, device="cuda", generator=g).bfloat16()),
-        "ring_codes": ring_codes,
-        "ring_scales": ring_scales,
-        "ckv_codes": ckv_codes,
-        "ckv_scales": ckv_scales,
+        **{k: caches[k] for k in ("ring_codes", "ring_scales", "ckv_codes", "ckv_scales")},
         "topk": topk,
         "token_req": token_req,
         "positions": positions,
         "start_pos": start_pos,
         "row_start": row_start,
-        "slots": torch.arange(reqs, device="cuda"),
+        "slots": slot0 + torch.arange(reqs, device="cuda"),
         "floors": torch.zeros(reqs, dtype=torch.long, device="cuda"),
         "block_tables": block_tables,
-        "sink": torch.randn(h, device="cuda", generator=g),
+        "sink": caches["sink"],
         "softmax_scale": dim**-0.5,
     }
+
+
+def attention_data(t: int, decode: bool, seed: int = 0) -> dict:
+    """One call's arguments over its own real-shape caches (attention_inputs)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return attention_inputs(attention_caches(t if decode else 1, g), t, decode, g)
 
 
 def attention_cost(args: dict, decode: bool) -> tuple[float, float]:
@@ -750,44 +811,71 @@ def section_attention() -> None:
         guarded("sparse_attention", f"T={t}", attention_case, t)
 
 
-# attention_sweep candidates: overrides of attention.CONFIG, the default ({}) first. DSPLIT and
-# TILES_PER_PROGRAM only spread the work (same bits); the others change the tiling (rounding).
+# attention_sweep candidates: overrides of attention.CONFIG, the default ({}) first.
+# LOGIT_BLOCK_H, TILES_PER_PROGRAM, DSPLIT and the warps / stages only spread or schedule the
+# work (same bits); LOGIT_BLOCK_N changes the statistics tiles (rounding), so it could only
+# become the default for every batch size at once.
 ATTN_SWEEP = [
     {},
+    {"LOGIT_BLOCK_H": 64},
+    {"LOGIT_BLOCK_H": 32},
+    {"TILES_PER_PROGRAM": 1},
     {"DSPLIT": 1},
     {"DSPLIT": 2},
     {"DSPLIT": 4},
     {"DSPLIT": 8},
-    {"TILES_PER_PROGRAM": 1},
-    {"PIECE": 16},
-    {"PIECE": 64},
-    {"LOGIT_BLOCK_N": 64, "logit_warps": 4},
-    {"PV_BLOCK_N": 16},
+    {"pv_stages": 3},
     {"pv_warps": 4, "DSPLIT": 8},
+    {"LOGIT_BLOCK_N": 64, "logit_warps": 4},
 ]
 ATTN_SWEEP_ROWS = (1, 8, 64, 256, 4096)
-ATTN_SWEEP_SECONDS = 75.0  # candidates left when this runs out are skipped (and reported)
+ATTN_SWEEP_SECONDS = 50.0  # compile warm-up included; candidates left when this runs out are skipped (and reported)
+ATTN_SWEEP_WORKERS = 4
+ATTN_SWEEP_REPS = 20
+# Calls of one graph cycle through input sets (own top-k, block tables, ring slots and queries
+# over one 268 MB compressed cache) whose keys together reach ATTN_ROTATE_BYTES, so that a
+# call finds its keys in HBM as in a decode step (where the rest of the layer evicts them from
+# the 50 MB L2): 3 sets of one token (0.2 MB of keys each) would all stay in L2.
+ATTN_ROTATE_BYTES = 128 << 20
+ATTN_MAX_SETS = 256
+ATTN_LOGIT_KEYS = ("LOGIT_BLOCK_N", "PIECE", "logit_warps", "logit_stages")
+ATTN_PV_KEYS = ("BLOCK_H", "PV_BLOCK_N", "pv_warps", "pv_stages", "LOGIT_BLOCK_N")  # the last: how many statistics tiles it merges (unrolled)
+
+
+def attention_spreads(cand: dict) -> set[tuple[int, int, bool]]:
+    """(logits head block, PV channel slices, one tile per program) a candidate launches with:
+    at the sweep's sizes on a GPU, every choice "auto" can make on a compile-only machine."""
+    from dsv4.ops.triton import attention
+
+    cfg = {**attention.CONFIG, **cand}
+    if torch.cuda.is_available():
+        plans = [attention.launch_plan(t, ATTN_SHAPE["h"], ATTN_SHAPE["dim"], ATTN_SHAPE["window"], ATTN_SHAPE["top"], torch.device("cuda"), cfg) for t in ATTN_SWEEP_ROWS]
+        return {(p["LOGIT_BLOCK_H"], p["DSPLIT"], p["tiles_per_program"] == 1) for p in plans}
+    heads = attention.LOGIT_BLOCK_HS if cfg["LOGIT_BLOCK_H"] == "auto" else (cfg["LOGIT_BLOCK_H"],)
+    splits = attention.DSPLITS if cfg["DSPLIT"] == "auto" else (cfg["DSPLIT"],)
+    return {(b, d, False) for b in heads for d in splits}
 
 
 def attention_logit_variants() -> list[dict]:
-    """The logits-kernel knobs of the sweep's candidates (distinct compilations)."""
-    keys = ("BLOCK_H", "LOGIT_BLOCK_N", "PIECE", "logit_warps", "logit_stages")
-    return _distinct([{k: c[k] for k in keys if k in c} for c in ATTN_SWEEP])
-
-
-def attention_pv_variants() -> list[dict]:
-    """The PV-kernel knobs of the sweep's candidates, with the DSPLIT of every sweep size
-    where a candidate leaves it to "auto"."""
+    """The logits-kernel knobs of the sweep's candidates, with every head block they launch
+    (distinct compilations)."""
     from dsv4.ops.triton import attention
 
-    keys = ("BLOCK_H", "PV_BLOCK_N", "pv_warps", "pv_stages")
     out = []
     for c in ATTN_SWEEP:
         cfg = {**attention.CONFIG, **c}
-        splits = {attention.launch_plan(t, 64, 512, 128, 512, torch.device("cuda"), cfg)["DSPLIT"] for t in ATTN_SWEEP_ROWS} if torch.cuda.is_available() else None
-        if splits is None:  # compile-only machine: every split "auto" can take
-            splits = set(attention.DSPLITS) if cfg["DSPLIT"] == "auto" else {cfg["DSPLIT"]}
-        out.extend({**{k: c[k] for k in keys if k in c}, "DSPLIT": d} for d in sorted(splits))
+        out.extend({**{k: cfg[k] for k in ATTN_LOGIT_KEYS}, "LOGIT_BLOCK_H": b} for b in sorted({b for b, _, _ in attention_spreads(c)}))
+    return _distinct(out)
+
+
+def attention_pv_variants() -> list[dict]:
+    """The PV-kernel knobs of the sweep's candidates, with every channel split they launch."""
+    from dsv4.ops.triton import attention
+
+    out = []
+    for c in ATTN_SWEEP:
+        cfg = {**attention.CONFIG, **c}
+        out.extend({**{k: cfg[k] for k in ATTN_PV_KEYS}, "DSPLIT": d} for d in sorted({d for _, d, _ in attention_spreads(c)}))
     return _distinct(out)
 
 
@@ -805,41 +893,104 @@ def attention_label(cfg: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in cfg.items()) or "default"
 
 
+def attention_set_count(t: int) -> int:
+    """Input sets per graph at t tokens (ATTN_ROTATE_BYTES): 256 at T=1 .. 3 from T=256."""
+    dim = ATTN_SHAPE["dim"]
+    keys = t * (ATTN_SHAPE["window"] * (dim + dim // 32) + ATTN_SHAPE["top"] * (dim // 2 + dim // 16))
+    return min(ATTN_MAX_SETS, max(3, -(-ATTN_ROTATE_BYTES // keys)))
+
+
+def attention_sweep_jobs() -> list[tuple[int, dict]]:
+    """One (size, candidate) per distinct pair of compiled kernels the sweep launches."""
+    from dsv4.ops.triton import attention
+
+    seen, jobs = set(), []
+    for t in ATTN_SWEEP_ROWS:
+        for cand in ATTN_SWEEP:
+            cfg = {**attention.CONFIG, **cand}
+            plan = attention.launch_plan(t, ATTN_SHAPE["h"], ATTN_SHAPE["dim"], ATTN_SHAPE["window"], ATTN_SHAPE["top"], torch.device("cuda"), cfg)
+            key = (plan["LOGIT_BLOCK_H"], plan["DSPLIT"], plan["tiles_per_program"] == 1, *(cfg[k] for k in ATTN_LOGIT_KEYS + ATTN_PV_KEYS))
+            if key not in seen:
+                seen.add(key)
+                jobs.append((t, cand))
+    return jobs
+
+
+def attention_sweep_warm(index: int, count: int) -> None:
+    """Worker process: compile its share of the sweep's kernels into Triton's disk cache, one
+    launch each on caches of the real shapes but only 16 compressed blocks (the argument types
+    and the sizes the launch specialises on are those of the sweep's calls)."""
+    from dsv4.ops.triton import attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for t, cand in attention_sweep_jobs()[index::count]:
+        try:
+            decode = t <= 256
+            attention.sparse_attention(**attention_inputs(attention_caches(t if decode else 1, g, n_blocks=16), t, decode, g), config=cand)
+        except Exception:  # noqa: BLE001 - the main process meets and reports the same failure
+            traceback.print_exc()
+    torch.cuda.synchronize()
+
+
 def attention_sweep_shape(t: int, deadline: float) -> None:
     """Every candidate at one size: error against the reference, bits against the default's
-    result, median time; then one record with the fastest correct candidate."""
+    result (both on the first input set), then the time per call replayed from a CUDA graph of
+    one call per input set (attention_set_count), median of ATTN_SWEEP_REPS replays; then one
+    record with the fastest correct candidate."""
     from dsv4.ops import attention as attention_ops
     from dsv4.ops.triton import attention
 
     decode = t <= 256
-    args = attention_data(t, decode)
-    nbytes, flops = attention_cost(args, decode)
-    ref = attention_ops.sparse_attention_reference(**args)
+    reqs = t if decode else 1
+    g = torch.Generator(device="cuda").manual_seed(t)
+    n_sets = attention_set_count(t)
+    caches = attention_caches(n_sets * reqs, g)
+    sets = [attention_inputs(caches, t, decode, g, slot0=i * reqs) for i in range(n_sets)]
+    nbytes, flops = attention_cost(sets[0], decode)
+    ref = attention_ops.sparse_attention_reference(**sets[0])
     base, rows = None, []
     for cand in ATTN_SWEEP:
         label = attention_label(cand)
         if time.time() > deadline:
             record("attention_sweep", f"T={t} {label}", "skipped", reason=f"sweep past {ATTN_SWEEP_SECONDS:.0f} s")
             continue
-        plan = attention.launch_plan(t, 64, 512, 128, 512, args["q"].device, {**attention.CONFIG, **cand})
-        y = attention.sparse_attention(**args, config=cand)
+        plan = attention.launch_plan(t, ATTN_SHAPE["h"], ATTN_SHAPE["dim"], ATTN_SHAPE["window"], ATTN_SHAPE["top"], sets[0]["q"].device, {**attention.CONFIG, **cand})
+        y = attention.sparse_attention(**sets[0], config=cand)
         base = y if base is None else base
         err = norm_err(y, ref)
-        t_k = median_time(lambda: attention.sparse_attention(**args, config=cand), reps=10)
-        row = dict(ok=err <= 4 * 2**-8, err=err, same_bits=torch.equal(y, base), plan=plan, **perf(t_k, nbytes, flops, "bf16"))
-        record("attention_sweep", f"T={t} {label}", "triton", **row)
+        calls = [lambda a=a: attention.sparse_attention(**a, config=cand) for a in sets]
+        t_k = graph_time(calls, reps=ATTN_SWEEP_REPS)
+        row = dict(ok=err <= 4 * 2**-8, err=err, same_bits=torch.equal(y, base), plan=plan, input_sets=n_sets, **perf(t_k, nbytes, flops, "bf16"))
+        record("attention_sweep", f"T={t} {label}", "graph", **row)
         rows.append((label, row))
     good = [r for r in rows if r[1]["ok"]]
     if good:
         label, row = min(good, key=lambda r: r[1]["ms"])
         default_ms = rows[0][1]["ms"] if rows and rows[0][0] == "default" else float("nan")
-        record("attention_sweep", f"T={t} BEST {label}", "best", default_ms=default_ms, **{k: v for k, v in row.items() if k != "ok"})
+        record("attention_sweep", f"T={t} BEST {label}", f"best (default {default_ms:.4f} ms)", default_ms=default_ms, **{k: v for k, v in row.items() if k != "ok"})
+    del sets, caches
+    torch.cuda.empty_cache()
 
 
 def section_attention_sweep() -> None:
     """Candidate tilings of sparse_attention at decode T = 1, 8, 64, 256 (T requests of one
-    token at 64K context) and a 4096-token prefill chunk, real shapes; the best per size."""
-    deadline = time.time() + ATTN_SWEEP_SECONDS
+    token at 64K context) and a 4096-token prefill chunk, real shapes, timed as CUDA-graph
+    replays (a decode step's launches); the best per size. The kernels compile first, spread
+    over ATTN_SWEEP_WORKERS processes that warm Triton's disk cache."""
+    start = time.time()
+    deadline = start + ATTN_SWEEP_SECONDS
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); import check_kernels as ck; ck.attention_sweep_warm(int(sys.argv[1]), {ATTN_SWEEP_WORKERS})"
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(ATTN_SWEEP_WORKERS)]
+    failed = []
+    for i, proc in enumerate(workers):
+        try:
+            err = proc.communicate(timeout=max(5.0, 0.6 * ATTN_SWEEP_SECONDS - (time.time() - start)))[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = proc.communicate()[1] + "\n(timed out)"
+        if proc.returncode:
+            failed.append(f"worker {i}: exit {proc.returncode}: {err[-600:]}")
+    record("attention_sweep", "compile warm-up", f"{ATTN_SWEEP_WORKERS} workers, {len(attention_sweep_jobs())} kernel pairs, {time.time() - start:.0f} s, {len(failed)} failed", failed=failed)
     for t in ATTN_SWEEP_ROWS:
         guarded("attention_sweep", f"T={t}", attention_sweep_shape, t, deadline)
 
@@ -1516,7 +1667,7 @@ def section_mhc() -> None:
 
 
 INVARIANCE_ROWS = (1, 16, 17, 32, 33, 64, 256)  # both sides of every row-class boundary
-INVARIANCE_TOKENS = (1, 8, 64, 1024, 2048)  # MoE row tiles 16, 16, 16, 32, 64 (T=4096: 128)
+INVARIANCE_TOKENS = (1, 8, 64, 1024, 2048)  # MoE row tiles: pair tiles, 16, 16, 32, 64 (T=4096: 128)
 
 
 def invariance_fp8_linear(name: str, n: int, k: int, block: int) -> None:
@@ -1538,15 +1689,17 @@ def invariance_moe() -> None:
     x, ids, weights, w13, s13, w2, s2 = moe_data(4096, seed=1)
     batch = moe.moe_experts(x, ids, weights, w13, s13, w2, s2, 10.0, True)
     differ = {t: int((moe.moe_experts(x[:t], ids[:t], weights[:t], w13, s13, w2, s2, 10.0, True)[0] != batch[0]).sum()) for t in INVARIANCE_TOKENS}
-    tiles = ",".join(str(moe.moe_config(t * ids.shape[1], w13.shape[0])["BLOCK_T"]) for t in INVARIANCE_TOKENS)
+    pairs = [t * ids.shape[1] for t in INVARIANCE_TOKENS]
+    tiles = ",".join("pairs" if p <= moe.MOE["PAIR_TILES_MAX_PAIRS"] else str(moe.moe_config(p, w13.shape[0])["BLOCK_T"]) for p in pairs)
     label = f"moe_experts: token 0 of T={','.join(map(str, INVARIANCE_TOKENS))} (row tiles {tiles}) vs T=4096"
     record("invariance", label, "triton", ok=not any(differ.values()), differing=differ)
 
 
 def invariance_attention() -> None:
-    """Token 0 alone (spread over more programs by "auto") and in a 64-token decode batch, and
-    the batch under every fixed spread (PV channel slices, logits tiles per program): the same
-    bits, which also checks on the hardware that a wgmma's N does not change its results."""
+    """Token 0 alone (spread over more programs and 16-head logits blocks by "auto") and in a
+    64-token decode batch, and the batch under every fixed spread (PV channel slices, logits
+    tiles per program, logits head blocks): the same bits, which also checks on the hardware
+    that a wgmma's N does not change its results."""
     from dsv4.ops.triton import attention
 
     args = attention_data(64, True, seed=1)
@@ -1554,7 +1707,8 @@ def invariance_attention() -> None:
     batch = attention.sparse_attention(**args)
     same = torch.equal(attention.sparse_attention(**alone)[0], batch[0])
     record("invariance", "sparse_attention: token 0 alone vs in T=64 (default spread)", "triton", ok=same)
-    for spread in ({"DSPLIT": d, "TILES_PER_PROGRAM": n} for d in attention.DSPLITS for n in (1, 5)):
+    spreads = [{"DSPLIT": d, "TILES_PER_PROGRAM": n} for d in attention.DSPLITS for n in (1, 5)]
+    for spread in spreads + [{"LOGIT_BLOCK_H": b} for b in attention.LOGIT_BLOCK_HS[1:]]:
         same = torch.equal(attention.sparse_attention(**args, config=spread), batch)
         record("invariance", f"sparse_attention T=64 {attention_label(spread)} vs default", "triton", ok=same)
 
@@ -1610,14 +1764,24 @@ def compile_targets() -> list[tuple]:
     }
     gate_up = dict(common, x_ptr="*bf16:16", act_ptr="*bf16:16", stride_x=a, stride_act=a, limit=f)
     down = dict(common, act_ptr="*bf16:16", y_ptr="*bf16:16", stride_act=a, stride_y=a)
+    # every row class with the default dequantisation (words where the K step allows), and the
+    # first (decode) class also with byte reads and with pair tiles (the sweep times both)
+    first = moe.MOE["rows"][0][0]
     for max_mean, cfg in moe.MOE["rows"]:
         for before in (True, False):
             for name, kernel, types, part in (("gate_up", moe._gate_up_kernel, gate_up, cfg["gate_up"]), ("down", moe._down_kernel, down, cfg["down"])):
-                consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True}
-                if name == "gate_up":
-                    consts.update(TOPK=6, HAS_LIMIT=True)
-                label = f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} before={before}"
-                out.append((label, kernel, types, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
+                words = moe.MOE["DEQUANT"] == "words" and 128 % part["BLOCK_K"] == 0
+                for variant in ({"WORDS": words, "PAIR_TILES": False}, {"WORDS": not words, "PAIR_TILES": False}, {"WORDS": words, "PAIR_TILES": True}):
+                    if max_mean != first and (variant["WORDS"] != words or variant["PAIR_TILES"]):
+                        continue
+                    if variant["WORDS"] and 128 % part["BLOCK_K"]:
+                        continue
+                    consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True, **variant}
+                    if name == "gate_up":
+                        consts.update(TOPK=7, HAS_LIMIT=True)
+                    dequant = "words" if variant["WORDS"] else "bytes"
+                    label = f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} before={before} {dequant}{' pair-tiles' if variant['PAIR_TILES'] else ''}"
+                    out.append((label, kernel, types, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     align = {"ids_ptr": "*i64:16", "rows_ptr": "*i32:16", "tile_expert_ptr": "*i32:16", "n_pairs": i, "n_experts": i, "n_tiles": i}
     for e_block in (64, 512):
         bt = moe.MOE["rows"][0][1]["BLOCK_T"]
@@ -1660,20 +1824,23 @@ def attention_compile_targets() -> list[tuple]:
     caches = dict(idx, kv_new_ptr="*bf16:16", ring_ptr="*fp8e4nv:16", ring_scale_ptr="*u8:16", ckv_ptr="*u8:16", ckv_scale_ptr="*fp8e4nv:16", s_ptr="*bf16:16", stat_ptr="*fp32:16")
     logits = dict(caches, q_ptr="*bf16:16", H=a, n_top=a, n_keys=a, n_tiles="i32", tiles_per_program="i32", sm_scale="fp32",
                   stride_qt=a, stride_qh=a, stride_kv=a, stride_top=a, stride_bt=a)
-    pv = dict(caches, sink_ptr="*fp32:16", out_ptr="*bf16:16", H=a, n_top=a, n_keys=a, n_stat_tiles="i32",
+    pv = dict(caches, sink_ptr="*fp32:16", out_ptr="*bf16:16", H=a, n_top=a, n_keys=a,
               stride_kv=a, stride_top=a, stride_bt=a, stride_ot=a, stride_oh=a)
-    shape = {"WINDOW": 128, "PER_BLOCK": 128, "DIM": 512}
+    shape = {"WINDOW": ATTN_SHAPE["window"], "PER_BLOCK": ATTN_SHAPE["per_block"], "DIM": ATTN_SHAPE["dim"]}
     out = []
+    # wgmma only: that a head block or a channel slice (the MMA's N) leaves every element's
+    # bits alone, which batch invariance rests on, holds within one MMA family
     for cfg in attention_logit_variants():
         c = {**attention.CONFIG, **cfg}
-        consts = dict(shape, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"])
-        label = f"attention logits BN={c['LOGIT_BLOCK_N']} piece={c['PIECE']} w={c['logit_warps']} s={c['logit_stages']}"
-        out.append((label, attention._logits_kernel, logits, consts, {"num_warps": c["logit_warps"], "num_stages": c["logit_stages"]}))
+        consts = dict(shape, BLOCK_H=c["LOGIT_BLOCK_H"], BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"])
+        label = f"attention logits BH={c['LOGIT_BLOCK_H']} BN={c['LOGIT_BLOCK_N']} piece={c['PIECE']} w={c['logit_warps']} s={c['logit_stages']}"
+        out.append((label, attention._logits_kernel, logits, consts, {"num_warps": c["logit_warps"], "num_stages": c["logit_stages"]}, "wgmma"))
     for cfg in attention_pv_variants():
         c = {**attention.CONFIG, **cfg}
-        consts = dict(shape, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"])
-        label = f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']}"
-        out.append((label, attention._pv_kernel, pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}))
+        n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-ATTN_SHAPE["top"] // c["LOGIT_BLOCK_N"])
+        consts = dict(shape, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"])
+        label = f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']} tiles={n_tiles}"
+        out.append((label, attention._pv_kernel, pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
     return out
 
 

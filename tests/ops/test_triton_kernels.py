@@ -357,8 +357,9 @@ MOE_TILINGS = [  # (BLOCK_T, gate_up (BLOCK_N, BLOCK_K), down (BLOCK_N, BLOCK_K)
 
 
 def test_moe_experts_rows_do_not_depend_on_batch(monkeypatch):
-    """A token alone and in a 40-token batch, under every tiling and both layout builders
-    (the one-program counting sort and torch's sort), has the same bits."""
+    """A token alone (its 2 pairs as their own row tiles) and in a 40-token batch, under every
+    tiling, both layout builders (the one-program counting sort and torch's sort) and with the
+    whole batch in pair tiles, has the same bits."""
     d, inter, n_exp = 64, 64, 4
     g = _gen(21)
     x = torch.randn(40, d, generator=g).bfloat16()
@@ -373,9 +374,10 @@ def test_moe_experts_rows_do_not_depend_on_batch(monkeypatch):
     for bt, (gn, gk), (dn, dk) in MOE_TILINGS:
         cfg = {"BLOCK_T": bt, "gate_up": {"BLOCK_N": gn, "BLOCK_K": gk, "num_warps": 4, "num_stages": 2}, "down": {"BLOCK_N": dn, "BLOCK_K": dk, "num_warps": 4, "num_stages": 3}}
         monkeypatch.setitem(moe.MOE, "rows", ((None, cfg),))
-        for max_pairs in (4096, 0):
+        for max_pairs, pair_tiles in ((4096, 0), (0, 0), (4096, 80)):
             monkeypatch.setitem(moe.MOE, "ALIGN_MAX_PAIRS", max_pairs)
-            assert torch.equal(moe.moe_experts(*dev, 10.0, True), batch), (bt, max_pairs)
+            monkeypatch.setitem(moe.MOE, "PAIR_TILES_MAX_PAIRS", pair_tiles)
+            assert torch.equal(moe.moe_experts(*dev, 10.0, True), batch), (bt, max_pairs, pair_tiles)
 
 
 def test_moe_slot_sum_orders_slots_by_expert():
@@ -415,15 +417,16 @@ def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit: float) -> torch.Ten
     return moe_ref.experts_forward(x, weights, ids, w1, _Experts(w2, s2, slice(None)), w3, limit, True).float()
 
 
-@pytest.mark.parametrize("t,max_pairs", [(1, 4096), (8, 0), (64, 4096)])  # 0: torch's layout builder
-def test_moe_experts_384_experts_stay_in_bounds(monkeypatch, t, max_pairs):
+@pytest.mark.parametrize("t,max_pairs,pair_tiles", [(1, 4096, 0), (1, 4096, 8), (8, 0, 0), (64, 4096, 0)])  # max_pairs 0: torch's layout builder
+def test_moe_experts_384_experts_stay_in_bounds(monkeypatch, t, max_pairs, pair_tiles):
     """V4.1's 384 experts (the layout kernel's 512-wide expert block; the device's first run
     failed there) at small D / I: exactly sized inputs inside NaN guards (ids: expert 0) and
-    the wrapper's own buffers (layout, activations, expert rows, output) poisoned, so that a
-    read past any tensor or of an unwritten row turns the result NaN or moves it off the
-    reference, and a write past a buffer changes its guard."""
+    the wrapper's own buffers (layout, activations, expert rows, output; pair tiles: no
+    layout) poisoned, so that a read past any tensor or of an unwritten row turns the result
+    NaN or moves it off the reference, and a write past a buffer changes its guard."""
     n_exp, d, inter, k = 384, 64, 96, 6
     monkeypatch.setitem(moe.MOE, "ALIGN_MAX_PAIRS", max_pairs)
+    monkeypatch.setitem(moe.MOE, "PAIR_TILES_MAX_PAIRS", pair_tiles)
     poisoned = _PoisonedTorch()
     monkeypatch.setattr(moe, "torch", poisoned)
     g = _gen(t + max_pairs)
@@ -434,7 +437,7 @@ def test_moe_experts_384_experts_stay_in_bounds(monkeypatch, t, max_pairs):
     args = [_guarded(a, 0 if a is ids else _poison(a.dtype)) for a in (x, ids, weights, w13, s13, w2, s2)]
     y = moe.moe_experts(*args, 10.0, True)
     poisoned.check_guards()
-    assert len(poisoned.buffers) == 5  # rows, tile_expert, act, y, out
+    assert len(poisoned.buffers) == (3 if t * k <= pair_tiles else 5)  # [rows, tile_expert,] act, y, out
     assert not y.isnan().any() and _rel_err(y, ref) <= 2 * BF16_REL
 
 
@@ -591,9 +594,13 @@ ATTN_CASES = {
 # the default tiling (one logits tile covers a window) and 16-key tiles (several statistics
 # tiles per key list, the window over several tiles, 16-pair operand pieces)
 ATTN_TILINGS = {"default": {}, "small": {"LOGIT_BLOCK_N": 16, "PV_BLOCK_N": 16, "PIECE": 16}}
-# how the work is spread over programs, which must not change a bit: logits tiles per program
-# and PV channel slices per token
-ATTN_SPREADS = [{"TILES_PER_PROGRAM": 1, "DSPLIT": 1}, {"TILES_PER_PROGRAM": 2, "DSPLIT": 2}, {"TILES_PER_PROGRAM": 64, "DSPLIT": 4}]
+# how the work is spread over programs, which must not change a bit: logits tiles per program,
+# logits head blocks (partial ones at 20 and 8 heads) and PV channel slices per token
+ATTN_SPREADS = [
+    {"TILES_PER_PROGRAM": 1, "LOGIT_BLOCK_H": 16, "DSPLIT": 1},
+    {"TILES_PER_PROGRAM": 2, "LOGIT_BLOCK_H": 32, "DSPLIT": 2},
+    {"TILES_PER_PROGRAM": 64, "LOGIT_BLOCK_H": 64, "DSPLIT": 4},
+]
 
 
 @pytest.mark.parametrize("case", ATTN_CASES)
@@ -635,18 +642,27 @@ def test_sparse_attention_matches_reference(case, tiling):
     assert torch.equal(tattn.sparse_attention(**_token_alone(dev, last), config=cfg)[0], y[last])
 
 
-def test_sparse_attention_launch_plan():
+def test_sparse_attention_launch_plan(monkeypatch):
     """ "auto" spreads few tokens over more programs (never past the tile count or the channel
-    slices a head dimension allows) and leaves large batches at one program per token."""
+    slices a head dimension allows; logits tiles before head blocks) and leaves large batches
+    at one program per token."""
     cfg = tattn.CONFIG
     cpu = torch.device("cpu")  # 4 SMs stand in for the interpreter
     one = tattn.launch_plan(1, 64, 512, 128, 512, cpu, cfg)  # 5 logits tiles in runs of 2
-    assert one["n_tiles"] == 5 and one["tiles_per_program"] == 2 and one["logit_programs"] == 3 and one["DSPLIT"] == 4
+    assert one["n_tiles"] == 5 and one["LOGIT_BLOCK_H"] == 64 and one["tiles_per_program"] == 2 and one["logit_programs"] == 3 and one["DSPLIT"] == 4
     many = tattn.launch_plan(4096, 64, 512, 128, 512, cpu, cfg)
-    assert many["logit_programs"] == 1 and many["DSPLIT"] == 1
+    assert many["LOGIT_BLOCK_H"] == 64 and many["logit_programs"] == 1 and many["DSPLIT"] == 1
     assert tattn.launch_plan(1, 64, 64, 16, 0, cpu, dict(cfg, DSPLIT=8))["DSPLIT"] == 4
     with pytest.raises(ValueError, match="DSPLIT"):
         tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, DSPLIT=3))
+    with pytest.raises(ValueError, match="LOGIT_BLOCK_H"):
+        tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, LOGIT_BLOCK_H=8))
+    # the H200's 132 SMs: one or 8 tokens get one tile per program and 16-head blocks (20 and
+    # 160 logits programs), 64 tokens all 64 heads in runs of 2 tiles (192), 256 one program
+    monkeypatch.setattr(tattn, "num_sms", lambda device: 132)
+    plans = {t: tattn.launch_plan(t, 64, 512, 128, 512, cpu, cfg) for t in (1, 8, 64, 256)}
+    assert [(p["LOGIT_BLOCK_H"], p["tiles_per_program"]) for p in plans.values()] == [(16, 1), (16, 1), (64, 2), (64, 5)]
+    assert [p["DSPLIT"] for p in plans.values()] == [8, 8, 4, 1]
 
 
 # ----------------------------------------------------------------------------------- sm_90 build

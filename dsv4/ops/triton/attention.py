@@ -24,7 +24,7 @@ Output bf16 [T, H, D].
 Two kernels, because the 64 x 512 fp32 output of a token's 64 heads (128 registers a thread
 at 8 warps) leaves too few registers for the logits and the key dequantisation in one loop:
 
-1. `_logits_kernel`, program (token, head block, run of tiles): for each tile of
+1. `_logits_kernel`, program (token, block of 16, 32 or 64 heads, run of tiles): for each tile of
    LOGIT_BLOCK_N keys (the window, then the top-k entries) the logits S^T = K Q^T with the
    keys as the rows of a 128-row wgmma, whose A operand comes from registers: the key tile is
    dequantised piece by piece (PIECE channel pairs) straight into the operand, so it never
@@ -37,13 +37,15 @@ at 8 warps) leaves too few registers for the logits and the key dequantisation i
    (shared memory) into an fp32 accumulator.
 
 Neither kernel's arithmetic depends on how the work is spread: the statistics are per tile
-and merged in a fixed order, the logits per key, the output channels independently — so a
-token's bits do not depend on its batch (batch invariance) while the launch still fills the
-SMs at any batch size: "auto" gives few-token batches several logits programs per token and
-several channel slices (DSPLIT) per token. Channels are handled as (even, odd) halves:
-byte c of a compressed entry holds channels 2c and 2c + 1, a uint16 of the ring two e4m3
-codes, an int32 of kv_new / q two bf16 values, so every dequantisation is a plain load and
-nibble / byte / half extraction, never an interleave. Only V4.1's cache formats (FP8 ring, FP4
+and merged in a fixed order, the logits per key, the output channels independently, and a
+logits head block only changes the wgmma's N (heads), not any element's products, their
+accumulation order or the per-head reductions over a tile's keys — so a token's bits do not
+depend on its batch (batch invariance) while the launch still fills the SMs at any batch
+size: "auto" gives few-token batches one logits tile per program, narrower head blocks when
+the tiles alone leave SMs idle, and several channel slices (DSPLIT) per token. Channels are
+handled as (even, odd) halves: byte c of a compressed entry holds channels 2c and 2c + 1, a
+uint16 of the ring two e4m3 codes, an int32 of kv_new / q two bf16 values, so every
+dequantisation is a plain load and nibble / byte / half extraction, never an interleave. Only V4.1's cache formats (FP8 ring, FP4
 compressed KV) are supported; V4's bf16 caches and all-visible HCA layers use the torch path.
 """
 
@@ -58,22 +60,26 @@ from dsv4.ops.triton.fp8_gemm import e8m0_to_fp32, num_sms
 # constexpr: the kernels read them (Python code uses .value)
 RING_SCALE_BLOCK = tl.constexpr(32)  # ue8m0 byte per 32 channels of a window key
 CKV_SCALE_BLOCK = tl.constexpr(16)  # E4M3 scale per 16 channels of a compressed entry
-# Tiling (module docstring). BLOCK_H heads per program (all 64 of a token: each key tile is
-# dequantised once per token and the heads are a 64-wide MMA dimension); LOGIT_BLOCK_N keys per
+# Tiling (module docstring). BLOCK_H heads per PV program (all 64 of a token: the heads are the
+# wgmma's M, 64 rows a warpgroup); LOGIT_BLOCK_H heads per logits program (the wgmma's N: each
+# head block dequantises the key tile again, so "auto" narrows it to 32 or 16 only when the tiles
+# alone give fewer programs than SMs, e.g. 20 instead of 5 at one token); LOGIT_BLOCK_N keys per
 # logits tile (the rows of S^T: 128 = one 64-row wgmma per warpgroup at 8 warps), which is also
 # the unit of the softmax statistics; PIECE channel pairs dequantised per operand piece;
 # PV_BLOCK_N keys per PV tile; DSPLIT output-channel slices per (token, head block) in the PV
 # kernel (1: all channels; 2: the even or the odd ones; 4, 8: those cut into 2, 4 ranges of
-# channel pairs); TILES_PER_PROGRAM logits tiles per program. "auto" picks the last two from
-# the batch size to fill the SMs. LOGIT_BLOCK_N, PIECE and PV_BLOCK_N decide the rounding (so
-# they are fixed, not tuned per batch); DSPLIT and TILES_PER_PROGRAM do not change a bit.
+# channel pairs); TILES_PER_PROGRAM logits tiles per program. "auto" picks LOGIT_BLOCK_H and
+# the last two from the batch size to fill the SMs. LOGIT_BLOCK_N, PIECE and PV_BLOCK_N decide
+# the rounding (so they are fixed, not tuned per batch); LOGIT_BLOCK_H, DSPLIT and
+# TILES_PER_PROGRAM do not change a bit.
 # Registers and spills of every variant: scripts/check_kernels.py --compile-only; timings:
 # its `attention_sweep` section.
 CONFIG = {
-    "BLOCK_H": 64, "LOGIT_BLOCK_N": 128, "PIECE": 32, "logit_warps": 8, "logit_stages": 2, "TILES_PER_PROGRAM": "auto",
+    "BLOCK_H": 64, "LOGIT_BLOCK_H": "auto", "LOGIT_BLOCK_N": 128, "PIECE": 32, "logit_warps": 8, "logit_stages": 2, "TILES_PER_PROGRAM": "auto",
     "PV_BLOCK_N": 32, "DSPLIT": "auto", "pv_warps": 8, "pv_stages": 2,
 }
 DSPLITS = (1, 2, 4, 8)
+LOGIT_BLOCK_HS = (64, 32, 16)  # widest first; 16 is the narrowest wgmma N worth a program
 
 
 @triton.jit
@@ -232,9 +238,9 @@ def _logits_kernel(
 def _pv_kernel(
     s_ptr, stat_ptr, kv_new_ptr, ring_ptr, ring_scale_ptr, ckv_ptr, ckv_scale_ptr, topk_ptr,
     token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr, sink_ptr, out_ptr,
-    H, n_top, n_keys, n_stat_tiles,
+    H, n_top, n_keys,
     stride_kv, stride_top, stride_bt, stride_ot, stride_oh,
-    WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr,
+    WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr, N_TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr,
 ):
     """Program (token, head block x channel slice): slice 2r + par of DSPLIT holds channels
@@ -253,17 +259,20 @@ def _pv_kernel(
     piece = tl.program_id(1) % DSPLIT
     par = piece % 2
     p0 = (piece // 2) * NP
-    # the tiles' statistics, merged in tile order, with the sink in the denominator
+    # the tiles' statistics, merged in tile order, with the sink in the denominator. N_TILES is
+    # fixed by the shapes, so the compiler sees the trip count and can issue a pass's loads
+    # together instead of one L2 round trip per tile (a static_range would force that, but at
+    # 164 instead of 124 registers for DSPLIT 4: one program per SM instead of two)
+    stat = stat_ptr + ((tok * N_TILES) * H + heads) * 2
     m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
-    for t in range(n_stat_tiles):
-        m = tl.maximum(m, tl.load(stat_ptr + ((tok * n_stat_tiles + t) * H + heads) * 2, mask=h_ok, other=-1e30))
+    for t in range(N_TILES):
+        m = tl.maximum(m, tl.load(stat + t * H * 2, mask=h_ok, other=-1e30))
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0)
     m = tl.maximum(m, sink)
     denom = tl.exp(sink - m)
-    for t in range(n_stat_tiles):
-        stat = ((tok * n_stat_tiles + t) * H + heads) * 2
-        m_t = tl.load(stat_ptr + stat, mask=h_ok, other=-1e30)
-        denom += tl.load(stat_ptr + stat + 1, mask=h_ok, other=0.0) * tl.exp(m_t - m)
+    for t in range(N_TILES):
+        m_t = tl.load(stat + t * H * 2, mask=h_ok, other=-1e30)
+        denom += tl.load(stat + t * H * 2 + 1, mask=h_ok, other=0.0) * tl.exp(m_t - m)
 
     s_row = s_ptr + (tok * H + heads[:, None]) * n_keys
     acc_a = tl.zeros((BLOCK_H, NP), dtype=tl.float32)
@@ -320,22 +329,30 @@ def _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk) -> N
 
 
 def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch.device, cfg: dict) -> dict:
-    """Grid choices of a call: logits tiles, logits programs per token and PV channel slices
-    ("auto": the fewest that give about one program per SM; neither changes any result)."""
+    """Grid choices of a call: logits tiles, logits head block, logits programs per (token, head
+    block) and PV channel slices ("auto": the least spread that gives at least one program per
+    SM, tiles split before heads since a narrower head block dequantises every key again; none
+    of them changes any result)."""
     bh = cfg["BLOCK_H"]
     n_tiles = triton.cdiv(window, cfg["LOGIT_BLOCK_N"]) + triton.cdiv(n_top, cfg["LOGIT_BLOCK_N"])
     rows = t * triton.cdiv(h, bh)
     sms = num_sms(device)
+    lbh = cfg["LOGIT_BLOCK_H"]
+    if lbh == "auto":
+        lbh = next((b for b in LOGIT_BLOCK_HS if t * triton.cdiv(h, b) * n_tiles >= sms), LOGIT_BLOCK_HS[-1])
+    if lbh not in LOGIT_BLOCK_HS:
+        raise ValueError(f"sparse_attention: LOGIT_BLOCK_H must be 'auto' or one of {LOGIT_BLOCK_HS}, got {lbh!r}")
+    logit_rows = t * triton.cdiv(h, lbh)
     tiles = cfg["TILES_PER_PROGRAM"]
     if tiles == "auto":
-        tiles = triton.cdiv(n_tiles, max(1, min(n_tiles, sms // rows)))
+        tiles = triton.cdiv(n_tiles, max(1, min(n_tiles, triton.cdiv(sms, logit_rows))))
     dsplit = cfg["DSPLIT"]
     if dsplit == "auto":
         dsplit = next((d for d in DSPLITS if rows * d >= sms), DSPLITS[-1])
     if dsplit not in DSPLITS:
         raise ValueError(f"sparse_attention: DSPLIT must be 'auto' or one of {DSPLITS}, got {dsplit!r}")
     dsplit = min(dsplit, dim // (RING_SCALE_BLOCK.value // 2))  # a slice holds whole ring scale groups
-    return {"n_tiles": n_tiles, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit}
+    return {"n_tiles": n_tiles, "LOGIT_BLOCK_H": lbh, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit}
 
 
 def sparse_attention(
@@ -386,18 +403,19 @@ def sparse_attention(
     logits = torch.empty(t, h, n_keys, dtype=torch.bfloat16, device=q.device)
     stats = torch.empty(t, n_tiles, h, 2, dtype=torch.float32, device=q.device)
     index = (token_req, positions, start_pos, row_start, slots, floors, block_tables)
-    _logits_kernel[(t, triton.cdiv(h, bh), plan["logit_programs"])](
+    lbh = plan["LOGIT_BLOCK_H"]
+    _logits_kernel[(t, triton.cdiv(h, lbh), plan["logit_programs"])](
         q, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, logits, stats,
         h, n_top, n_keys, n_tiles, plan["tiles_per_program"], float(softmax_scale),
         q.stride(0), q.stride(1), kv_new.stride(0), topk.stride(0), block_tables.stride(0),
-        WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=bh, BLOCK_N=cfg["LOGIT_BLOCK_N"], PIECE=min(cfg["PIECE"], dim // 2),
+        WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=lbh, BLOCK_N=cfg["LOGIT_BLOCK_N"], PIECE=min(cfg["PIECE"], dim // 2),
         num_warps=cfg["logit_warps"], num_stages=cfg["logit_stages"],
     )
     _pv_kernel[(t, triton.cdiv(h, bh) * plan["DSPLIT"])](
         logits, stats, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, sink, out,
-        h, n_top, n_keys, n_tiles,
+        h, n_top, n_keys,
         kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-        WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=bh, BLOCK_N=cfg["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"],
+        WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=cfg["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"],
         num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"],
     )
     return out

@@ -19,12 +19,14 @@ How: the (token, slot) pairs are laid out by expert in segments padded to the ro
 that every row tile of the grouped GEMMs belongs to one expert. Up to `MOE["ALIGN_MAX_PAIRS"]`
 pairs (decode) one Triton program builds that layout (a counting sort: one launch instead of
 about twenty small torch ops, whose launch gaps at T=1 are comparable to the ~50 us that six
-experts' weights take to stream); above, torch ops do. The padded layout's size is bounded
-from the shapes alone (no host sync, CUDA-graph safe) and tiles past the end exit at once.
-Kernel 1 gathers the token
+experts' weights take to stream); above, torch ops do; and up to `MOE["PAIR_TILES_MAX_PAIRS"]`
+(one decode token) each pair is its own tile, with no layout launch. The padded layout's size
+is bounded from the shapes alone (no host sync, CUDA-graph safe) and tiles past the end exit
+at once. Kernel 1 gathers the token
 rows and multiplies them by the gate and up rows of its expert — each program streams one
 slab of BLOCK_N rows of one expert over all of D for the <= BLOCK_T pairs of its tile, the
-FP8 weights dequantised exactly in registers (`fp8_gemm.dequant_rows`), one MMA chain over D
+FP8 weights read as int32 words and dequantised exactly in registers (`dequant_words`, the
+permute of `fp8_gemm.dequant_rows`; `MOE["DEQUANT"]` says why words), one MMA chain over D
 — rounds both to bf16 as the reference's linears do, clamps, applies silu(gate) * up (and the
 routing weight) and stores bf16 activations. Kernel 2 multiplies them by the expert's down
 weight and writes one bf16 row per (token, slot); kernel 3 sums the k rows of a token in fp32
@@ -42,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import dequant_rows, ptx_convert, wgmma_tile_error
+from dsv4.ops.triton.fp8_gemm import _E4M3_TO_BF16_PTX, dequant_rows, ptx_convert, wgmma_tile_error
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
 _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads constexpr globals only)
@@ -61,6 +63,24 @@ _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads co
 #   and pipeline depth. A row's bits depend on none of them.
 # "ALIGN_MAX_PAIRS": up to this many (token, slot) pairs the expert layout is built by one
 #   Triton program (its time grows with the pairs), above by torch's sort.
+# "PAIR_TILES_MAX_PAIRS": up to this many pairs there is no layout at all: pair p is row tile
+#   p (the GEMMs read its expert from topk_ids), which saves the layout launch (a few us of a
+#   ~0.1 ms decode MoE); an expert that several pairs route to is then streamed once per pair
+#   (the later reads mostly from L2, as the pairs' tiles run side by side), so this suits
+#   decode at one token (k + shared distinct experts). 0: always lay out.
+# "DEQUANT": how the GEMMs read FP8 weights. "words": as int32 words (4 codes; 16-byte copies),
+#   dequantised by a permute on each word in a plain blocked layout, the scale bytes as one
+#   int32 word per row and 128 inputs (pipelined with the weights); the bf16 tile then reaches
+#   the wgmma's register layout through shared memory (ldmatrix). "bytes": the FP8 tile is read
+#   from shared memory straight in the wgmma's register layout, which for 8-bit codes is two
+#   bytes per load plus byte permutes to repack them, and every scale byte is its own global
+#   load that the pipeline does not cover. The sm_90 SASS of the T16 gate_up K step (16 KB of
+#   weights): 943 instructions with "bytes", 626 with "words" (PRMT 304 -> 64) — at 4.2 TB/s
+#   the former alone needs ~90% of the SMs' issue slots, which is why the kernel stalled at
+#   1.7-1.9 TB/s with plenty of programs (T >= 8, device runs 2-3). The same permute and
+#   multiplies either way, so the same bf16 values and bits. "words" needs inputs (D, I) in
+#   whole 128s (the scale word), BLOCK_K 32, 64 or 128 and the compiled PTX path; other calls
+#   use "bytes".
 MOE = {
     "rows": (
         (4, {  # 3 stages: 36% vs 4 stages' 32% of the floor (gemm_sweep, device run 2)
@@ -85,7 +105,34 @@ MOE = {
         }),
     ),
     "ALIGN_MAX_PAIRS": 4096,
+    "PAIR_TILES_MAX_PAIRS": 8,
+    "DEQUANT": "words",
 }
+
+
+@triton.jit
+def dequant_words(words, scale_byte):
+    """int32 [R, C] (4 e4m3 codes each, the first in the low byte) times 2**(scale_byte - 127)
+    per row (int32 [R]) -> bf16 [R, 4C] in input order: `fp8_gemm.dequant_rows`' permute and
+    multiplies on whole words (each word's two results split into bf16 halves and interleaved
+    back into input order), so the same exact values."""
+    lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_PTX, "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    pairs = tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+    even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    w16 = tl.reshape(tl.join(even, odd), (words.shape[0], 4 * words.shape[1]))
+    scale = (scale_byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return w16 * scale[:, None]
+
+
+@triton.jit
+def _scale_byte(scale_word, k0, j: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Scale byte of piece j of the K step at k0 (BLOCK_K 32, 64 or 128) from the row's word for
+    inputs k0 // 128 * 128 .. + 127 (little-endian: the first 32 inputs' byte is the low one)."""
+    if BLOCK_K == 4 * _PIECE:
+        shift = 8 * j
+    else:
+        shift = 8 * ((k0 // _PIECE) % 4 + j)
+    return (scale_word >> shift) & 0xFF
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_experts", "n_tiles"])
@@ -130,6 +177,18 @@ def _align_kernel(
         seen += tl.sum(onehot, axis=0)
 
 
+@triton.jit
+def _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T: tl.constexpr, PAIR_TILES: tl.constexpr):
+    """-> (expert of row tile pid_t as int64, its BLOCK_T pair indices, n_pairs for padding).
+    PAIR_TILES: tile p holds pair p alone and tile_expert_ptr is the flat topk_ids."""
+    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
+    if PAIR_TILES:
+        pair = tl.where(tl.arange(0, BLOCK_T) == 0, pid_t, n_pairs)
+    else:
+        pair = tl.load(rows_ptr + pid_t * BLOCK_T + tl.arange(0, BLOCK_T))
+    return e, pair
+
+
 @triton.jit(do_not_specialize=["n_pairs", "n_experts"])
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, rows_ptr, tile_expert_ptr, rw_ptr, act_ptr,
@@ -138,20 +197,21 @@ def _gate_up_kernel(
     limit,
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
-    transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`)."""
+    transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`).
+    WORDS: weights and scales read as int32 words (`MOE["DEQUANT"]`; EVEN_K and D % 128 == 0)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     # int64: an expert's offset e * stride_we passes 2**31 from expert 91 on at V4.1's shapes
     # (w13: 2 * 2304 * 5120 bytes per expert), and the launch passes the stride as i32 (its
     # value fits); in int32 the product wraps, and the program reads another expert's rows or
     # faults. The activation rows get int64 offsets for the same reason at large prefill chunks.
-    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
+    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES)
     if e >= n_experts:
         return
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    pair = tl.load(rows_ptr + offs)
     valid = pair < n_pairs
     token = pair // TOPK
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,24 +224,36 @@ def _gate_up_kernel(
     up_scales = gate_scales + I * stride_sn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    if WORDS:
+        rq = tl.arange(0, _PIECE // 4)
+        gate_words = gate_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        up_words = up_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        gate_swords = gate_scales.to(tl.pointer_type(tl.int32), bitcast=True)
+        up_swords = up_scales.to(tl.pointer_type(tl.int32), bitcast=True)
     for k0 in range(0, D, BLOCK_K):
+        if WORDS:
+            sg_word = tl.load(gate_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
+            su_word = tl.load(up_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
         for j in tl.static_range(BLOCK_K // _PIECE):
             k = k0 + j * _PIECE + rp
             kb = (k0 + j * _PIECE) // _PIECE
-            if EVEN_K:
+            if WORDS:
                 x = tl.load(x_rows + k[None, :], mask=valid[:, None], other=0.0)
-                wg = tl.load(gate_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-                wu = tl.load(up_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-                sg = tl.load(gate_scales + kb, mask=n_ok, other=0)
-                su = tl.load(up_scales + kb, mask=n_ok, other=0)
+                kw = (k0 + j * _PIECE) // 4 + rq
+                wg = dequant_words(tl.load(gate_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(sg_word, k0, j, BLOCK_K))
+                wu = dequant_words(tl.load(up_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(su_word, k0, j, BLOCK_K))
+            elif EVEN_K:
+                x = tl.load(x_rows + k[None, :], mask=valid[:, None], other=0.0)
+                wg = dequant_rows(tl.load(gate_rows + k[None, :], mask=n_ok[:, None], other=0.0), tl.load(gate_scales + kb, mask=n_ok, other=0), PTX)
+                wu = dequant_rows(tl.load(up_rows + k[None, :], mask=n_ok[:, None], other=0.0), tl.load(up_scales + kb, mask=n_ok, other=0), PTX)
             else:  # a piece past D (zeros) takes the row's last scale: there is no column there
                 x = tl.load(x_rows + k[None, :], mask=valid[:, None] & (k < D)[None, :], other=0.0)
                 wg = tl.load(gate_rows + k[None, :], mask=n_ok[:, None] & (k < D)[None, :], other=0.0)
                 wu = tl.load(up_rows + k[None, :], mask=n_ok[:, None] & (k < D)[None, :], other=0.0)
-                sg = tl.load(gate_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0)
-                su = tl.load(up_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0)
-            acc_gate = tl.dot(dequant_rows(wg, sg, PTX), tl.trans(x), acc_gate)
-            acc_up = tl.dot(dequant_rows(wu, su, PTX), tl.trans(x), acc_up)
+                wg = dequant_rows(wg, tl.load(gate_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0), PTX)
+                wu = dequant_rows(wu, tl.load(up_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0), PTX)
+            acc_gate = tl.dot(wg, tl.trans(x), acc_gate)
+            acc_up = tl.dot(wu, tl.trans(x), acc_up)
     gate = acc_gate.to(tl.bfloat16).to(tl.float32)
     up = acc_up.to(tl.bfloat16).to(tl.float32)
     if HAS_LIMIT:
@@ -200,16 +272,16 @@ def _down_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr,
 ):
     """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16),
     computed transposed like `_gate_up_kernel`."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)  # int64 offsets: see _gate_up_kernel
+    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES)  # int64: see _gate_up_kernel
     if e >= n_experts:
         return
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    pair = tl.load(rows_ptr + offs)
     valid = pair < n_pairs
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < D
@@ -218,19 +290,28 @@ def _down_kernel(
     w_rows = w_ptr + e * stride_we + rn[:, None] * stride_wn
     scales = s_ptr + e * stride_se + rn * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    if WORDS:
+        rq = tl.arange(0, _PIECE // 4)
+        w_words = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        s_words = scales.to(tl.pointer_type(tl.int32), bitcast=True)
     for k0 in range(0, I, BLOCK_K):
+        if WORDS:
+            s_word = tl.load(s_words + k0 // (4 * _PIECE), mask=n_ok, other=0)
         for j in tl.static_range(BLOCK_K // _PIECE):
             k = k0 + j * _PIECE + rp
             kb = (k0 + j * _PIECE) // _PIECE
-            if EVEN_K:
+            if WORDS:
                 a = tl.load(a_rows + k[None, :], mask=valid[:, None], other=0.0)
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-                s = tl.load(scales + kb, mask=n_ok, other=0)
+                kw = (k0 + j * _PIECE) // 4 + rq
+                w = dequant_words(tl.load(w_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(s_word, k0, j, BLOCK_K))
+            elif EVEN_K:
+                a = tl.load(a_rows + k[None, :], mask=valid[:, None], other=0.0)
+                w = dequant_rows(tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0), tl.load(scales + kb, mask=n_ok, other=0), PTX)
             else:  # as in _gate_up_kernel
                 a = tl.load(a_rows + k[None, :], mask=valid[:, None] & (k < I)[None, :], other=0.0)
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < I)[None, :], other=0.0)
-                s = tl.load(scales + tl.minimum(kb, I // _PIECE - 1), mask=n_ok, other=0)
-            acc = tl.dot(dequant_rows(w, s, PTX), tl.trans(a), acc)
+                w = dequant_rows(w, tl.load(scales + tl.minimum(kb, I // _PIECE - 1), mask=n_ok, other=0), PTX)
+            acc = tl.dot(w, tl.trans(a), acc)
     y = acc.to(tl.bfloat16)
     if not WEIGHT_BEFORE_DOWN:
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
@@ -299,6 +380,15 @@ def align_by_expert(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
     return rows, tile_expert
 
 
+def _words(ptx: bool, w: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
+    """Whether a GEMM reads its FP8 weights as int32 words (`MOE["DEQUANT"]`): compiled PTX,
+    inputs in whole 128s (one scale word per row and 128 inputs), K steps inside one word, and
+    4-byte aligned rows and experts (the loads are int32)."""
+    inputs = w.shape[-1]
+    aligned = all(v % 4 == 0 for v in (w.data_ptr(), w.stride(0), w.stride(1), scale.data_ptr(), scale.stride(0), scale.stride(1)))
+    return MOE["DEQUANT"] == "words" and ptx and inputs % 128 == 0 and 128 % block_k == 0 and aligned
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -339,7 +429,11 @@ def moe_experts(
     bad = wgmma_tile_error(gu["BLOCK_N"], bt, gu["num_warps"]) or wgmma_tile_error(dn["BLOCK_N"], bt, dn["num_warps"])
     if bad:
         raise ValueError(f"moe_experts: {bad}")
-    rows, tile_expert = align_by_expert(ids.view(-1), n_experts, bt)
+    pair_tiles = n_pairs <= MOE["PAIR_TILES_MAX_PAIRS"]
+    if pair_tiles:  # pair p is row tile p, of expert topk_ids.flat[p]
+        rows = tile_expert = ids.view(-1)
+    else:
+        rows, tile_expert = align_by_expert(ids.view(-1), n_experts, bt)
     n_tiles = tile_expert.numel()
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
@@ -351,6 +445,7 @@ def moe_experts(
         float(limit),
         TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
         BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
+        WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles,
         num_warps=gu["num_warps"], num_stages=gu["num_stages"],
     )
     _down_kernel[(n_tiles, triton.cdiv(d, dn["BLOCK_N"]))](
@@ -359,6 +454,7 @@ def moe_experts(
         act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
         WEIGHT_BEFORE_DOWN=weight_before_down,
         BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
+        WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles,
         num_warps=dn["num_warps"], num_stages=dn["num_stages"],
     )
     out = torch.empty(t, d, dtype=torch.float32, device=x.device)
