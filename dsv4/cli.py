@@ -23,7 +23,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-prefix-loads-per-step", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (they are on by default on the fast path)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode buckets and piecewise prefill; on by default on the fast path)")
     p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
                    help="device-metadata path with the Triton kernels (default: wherever it can run: CUDA, bfloat16, V4.1); "
                         "--no-fast-path runs the reference ops")

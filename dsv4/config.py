@@ -489,7 +489,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_prefix_loads_per_step: int | None = None  # cap on requests admitted with a prefix hit per step
     seed: int = 0
-    enforce_eager: bool = False  # no CUDA graphs for decode steps (fast path on CUDA)
+    enforce_eager: bool = False  # no CUDA graphs (decode buckets, piecewise prefill; fast path on CUDA)
     fast_path: bool | None = None  # None: the fast path where it can run (CUDA, bf16, V4.1); False: reference ops
 
     def __post_init__(self) -> None:

@@ -60,6 +60,7 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "act_quant": 0.05,
     "fp8_linear": 0.3,
     "moe": 0.2,
+    "moe_prefill": 0.1,
     "attention": 0.15,
     "invariance": 0.15,
     "attention_sweep": 0.15,
@@ -280,8 +281,39 @@ def moe_case(t: int, data: tuple, dense: tuple) -> None:
     if t <= max(SWEEP_TOKENS):  # as decode runs it: from a CUDA graph, each call with its own routing
         calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in moe_routings(t, e, seed=t)]
         record("moe_experts", case, "triton_graph", experts_used=used, **perf(graph_time(calls, reps=5), w_bytes + io, flops, "bf16"))
+    if t >= 256:  # the prefill path
+        err = norm_err(moe.moe_experts_dense(xt, it, wt, w13, s13, w2, s2, 10.0, True), ref)
+        t_d = median_time(lambda: moe.moe_experts_dense(xt, it, wt, w13, s13, w2, s2, 10.0, True), reps=5)
+        record("moe_experts", case, "dense_grouped", ok=err <= 4 * 2**-8, err=err, experts_used=used, **perf(t_d, w_bytes + io, flops, "bf16"))
     t_r = median_time(lambda: moe_ref.experts_forward(xt, wt, it, w1, w2l, w3, 10.0, True), reps=5, warmup=1)
     record("moe_experts", case, "torch_bf16", experts_used=used, **perf(t_r, 2 * w_bytes + io, flops, "bf16"))
+
+
+# tokens of the prefill-regime comparison: the 64-expert benchmark layer (65 with the shared
+# one, top-6 + shared), where the layer picks the grouped kernels or the dense grouped path by
+# layers.moe.DENSE_EXPERT_PAIRS
+MOE_PREFILL_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def moe_prefill_case(t: int, data: tuple) -> None:
+    from dsv4.model.layers.moe import DENSE_EXPERT_PAIRS
+    from dsv4.ops.triton import moe
+
+    x, ids, weights, w13, s13, w2, s2 = data
+    e, two_i, d = w13.shape
+    xt, it, wt = x[:t], ids[:t], weights[:t]
+    case = f"T={t} E={e} k={it.shape[1]} pairs/expert={it.numel() / e:.0f}"
+    flops = 2 * it.numel() * 3 * (two_i // 2) * d
+    w_bytes = e * 3 * (two_i // 2) * d * (1 + 1 / 32)
+    y_k = moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True)
+    y_d = moe.moe_experts_dense(xt, it, wt, w13, s13, w2, s2, 10.0, True)
+    err = norm_err(y_d, y_k)
+    t_k = median_time(lambda: moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True), reps=5)
+    t_d = median_time(lambda: moe.moe_experts_dense(xt, it, wt, w13, s13, w2, s2, 10.0, True), reps=5)
+    layer = "dense_grouped" if it.numel() >= DENSE_EXPERT_PAIRS * e else "triton"
+    record("moe_prefill", case, "triton", **perf(t_k, w_bytes, flops, "bf16"))
+    record("moe_prefill", case, "dense_grouped", ok=err <= 4 * 2**-8, err=err, faster="dense_grouped" if t_d < t_k else "triton",
+           layer_uses=layer, **perf(t_d, w_bytes, flops, "bf16"))
 
 
 def section_moe() -> None:
@@ -289,6 +321,76 @@ def section_moe() -> None:
     dense = dense_experts(*data[3:])
     for t in ROWS:
         guarded("moe_experts", f"T={t}", moe_case, t, data, dense)
+
+
+def section_moe_prefill() -> None:
+    x, ids, weights, w13, s13, w2, s2 = moe_data(max(MOE_PREFILL_TOKENS), seed=1, e=64)
+    shared = torch.full_like(ids[:, :1], 64)  # the shared expert as expert 64, weight 1
+    w13 = torch.cat([w13, w13[:1]])
+    s13, w2, s2 = torch.cat([s13, s13[:1]]), torch.cat([w2, w2[:1]]), torch.cat([s2, s2[:1]])
+    data = (x, torch.cat([ids, shared], 1), torch.cat([weights, torch.ones_like(weights[:, :1])], 1), w13, s13, w2, s2)
+    for t in MOE_PREFILL_TOKENS:
+        guarded("moe_prefill", f"T={t}", moe_prefill_case, t, data)
+    guarded("moe_prefill", "parts", moe_prefill_parts, data)
+    for t in (4096, 8192):
+        guarded("moe_prefill", f"tiles T={t}", moe_prefill_tiles, t, data)
+
+
+# Grouped-kernel tilings tried at prefill sizes: (BLOCK_T, gate_up (BLOCK_N, BLOCK_K, warps,
+# stages), down (...)); the first is the default's largest row class.
+MOE_PREFILL_TILES = [
+    (128, (64, 64, 4, 3), (128, 64, 8, 3)),
+    (128, (128, 64, 8, 3), (128, 64, 8, 3)),
+    (128, (128, 64, 8, 4), (256, 64, 8, 3)),
+    (128, (128, 32, 8, 4), (128, 64, 8, 4)),
+    (64, (128, 64, 8, 4), (128, 64, 8, 4)),
+]
+
+
+def moe_prefill_parts(data: tuple) -> None:
+    """Where the dense grouped path's time goes at T=8192: the one-pass dequantisation of the
+    stacked experts and the two bf16 grouped GEMMs alone."""
+    from dsv4.ops.triton import fp8_gemm
+
+    x, ids, weights, w13, s13, w2, s2 = data
+    e, two_i, d = w13.shape
+    inter = two_i // 2
+    t_13 = median_time(lambda: fp8_gemm.dequant_fp8(w13.view(-1, d), s13.view(-1, d // 32), 0, True), reps=5)
+    t_2 = median_time(lambda: fp8_gemm.dequant_fp8(w2.view(-1, inter), s2.view(-1, inter // 32), 0, True), reps=5)
+    n = e * 3 * inter * d
+    record("moe_prefill", f"dequant E={e}", "dequant_fp8", **perf(t_13 + t_2, 3 * n, 0, "bf16"))
+    g13 = fp8_gemm.dequant_fp8(w13.view(-1, d), s13.view(-1, d // 32), 0, True).view(e, two_i, d)
+    g2 = fp8_gemm.dequant_fp8(w2.view(-1, inter), s2.view(-1, inter // 32), 0, True).view(e, d, inter)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=e).cumsum(0).int()
+    xs = x[order // ids.shape[1]]
+    act = torch.randn(xs.shape[0], inter, device="cuda").bfloat16()
+    t_a = median_time(lambda: torch._grouped_mm(xs, g13.transpose(1, 2), offs=offs), reps=5)
+    t_b = median_time(lambda: torch._grouped_mm(act, g2.transpose(1, 2), offs=offs), reps=5)
+    flops = 2 * xs.shape[0] * 3 * inter * d
+    record("moe_prefill", f"grouped_mm T={x.shape[0]} E={e}", "torch._grouped_mm", gate_up_ms=t_a * 1e3, down_ms=t_b * 1e3, **perf(t_a + t_b, 0, flops, "bf16"))
+
+
+def moe_prefill_tiles(t: int, data: tuple) -> None:
+    from dsv4.ops.triton import moe
+
+    x, ids, weights, w13, s13, w2, s2 = data
+    e, two_i, d = w13.shape
+    xt, it, wt = x[:t], ids[:t], weights[:t]
+    flops = 2 * it.numel() * 3 * (two_i // 2) * d
+    ref = moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True)
+    for bt, gu, dn in MOE_PREFILL_TILES:
+        keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+        cand = {"cfg": {"BLOCK_T": bt, "gate_up": dict(zip(keys, gu)), "down": dict(zip(keys, dn))}, "knobs": {}}
+        label = moe_label(cand)
+        try:
+            with moe_knobs(cand):
+                y = moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True)
+                secs = median_time(lambda: moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True), reps=5)
+            record("moe_prefill", f"T={t} E={e} {label}", "triton_tile", ok=torch.equal(y, ref), same_bits=torch.equal(y, ref), **perf(secs, 0, flops, "bf16"))
+        except Exception as exc:  # noqa: BLE001 - one failing tiling does not stop the others
+            record("moe_prefill", f"T={t} E={e} {label}", "error", error=f"{type(exc).__name__}: {exc}"[:300], trace="")
 
 
 # ------------------------------------------------------------------------------ GEMM sweep

@@ -13,9 +13,12 @@ launch gaps outside the sections).
 
 The fast path runs the weights the way the engine loads them on the device (compact FP8 on
 CUDA, dequantised on CPU) and the model's fast path (device metadata, Triton kernels; on CPU
-only with `--fast-path`, which runs its torch references). Decode-shaped cases on CUDA are
-also timed as CUDA-graph replays, which is then the step time (`--no-cuda-graphs`: eager
-only); the eager time is printed beside it. With `--baseline` (default on CUDA) the same
+only with `--fast-path`, which runs its torch references). Cases on CUDA are also timed as
+CUDA-graph replays, which is then the step time (`--no-cuda-graphs`: eager only), as the
+engine would run them: decode-shaped ones as one graph of their batch size
+(dsv4.engine.cuda_graphs.DecodeGraphs), the others (prefill, hits, mixed) as the two pieces
+of `PiecewiseGraphs` padded to its default row and request buckets; the host's preparation
+of the step is inside the time, and the eager time is printed beside it. With `--baseline` (default on CUDA) the same
 cases also run on the reference path: the same model with dequantised dense weights, dense
 `dtype` GEMMs and every op on its torch code (`dsv4.ops.torch_only`: the HF-style
 computation), reported as a ratio; it is skipped, saying so, when its weights do not fit in
@@ -67,7 +70,7 @@ from dsv4.bench.roofline import (
 from dsv4.cache.reference_configs import released_v4_config, released_v41_config
 from dsv4.cache.storage import KVCacheStorage, QTensor
 from dsv4.config import ConfigError, ModelConfig, parse_config
-from dsv4.engine.cuda_graphs import DecodeGraphs
+from dsv4.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.layers.engram import engram_primes
 from dsv4.model.make_tiny import tiny_config
@@ -339,21 +342,28 @@ def _run_case(model: Model, cfg: ModelConfig, case: Case, plans: list[RequestPla
                 return model.logits(model.forward(batch, cache))
 
         def graphs():
-            return DecodeGraphs(model, cache, max_blocks=batch.block_tables.shape[1], sizes=(batch.num_requests,), rows=max(batch.num_tokens))
+            """Decode-shaped: one graph of the batch's size; else the two pieces in their
+            default buckets (the padding is in the time)."""
+            blocks = batch.block_tables.shape[1]
+            decode = DecodeGraphs(model, cache, max_blocks=blocks, sizes=(batch.num_requests,), rows=max(batch.num_tokens))
+            return decode if decode.fits(batch) else PiecewiseGraphs(model, cache, max_blocks=blocks)
 
-        def timed_graph():  # a second capture, with the section events in the graph
-            timed = graphs()
-            timed.capture()
-            timed.run(batch)
+        def captured():
+            runner = graphs()
+            runner.capture() if isinstance(runner, DecodeGraphs) else runner.capture(batch)
+            return runner
+
+        def timed_graph():  # a second capture, with the section events in the graphs
+            captured().run(batch)
 
         times = time_step(eager, device, opts.warmup, opts.iters)
-        graph_times, host_ms = None, None
+        graph_times, host_ms, graph_kind = None, None, None
         if opts.cuda_graphs and model.fast and device.type == "cuda" and graphs().fits(batch):
-            runner = graphs()
-            runner.capture()
+            runner = captured()
             graph_times = time_step(lambda: runner.run(batch), device, opts.warmup, opts.iters)
-            host_ms = runner.host_ms
+            host_ms, graph_kind = runner.host_ms, "decode" if isinstance(runner, DecodeGraphs) else "piecewise"
             del runner
+            _free(device)
         median = statistics.median(graph_times or times)
         parts = breakdown(eager, device, median, timed_graph if graph_times else None) if opts.breakdown else None
     except torch.OutOfMemoryError as exc:
@@ -364,6 +374,7 @@ def _run_case(model: Model, cfg: ModelConfig, case: Case, plans: list[RequestPla
         "min_ms": min(graph_times or times),
         "times_ms": graph_times or times,
         "cuda_graph": graph_times is not None,
+        "graph_kind": graph_kind,  # "decode" (one graph) or "piecewise" (encoder + decoder graphs)
         "graph_host_ms": host_ms,  # building and copying the step's metadata (inside the step time)
         "eager_median_ms": statistics.median(times),
         "eager_times_ms": times,
@@ -479,7 +490,7 @@ def run_bench(opts: BenchOptions, case_texts: list[str], console: Console | None
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "fast_path": ("compact FP8 weights" if compact else "dequantised weights") + (", fast path" if fast_on else ", reference ops")
-        + (", CUDA graphs for decode" if fast_on and compact and opts.cuda_graphs else ""),
+        + (", CUDA graphs (decode buckets, piecewise prefill)" if fast_on and compact and opts.cuda_graphs else ""),
         "block_size": opts.block_size,
         "bounded_replay": opts.bounded_replay,
         "warmup": opts.warmup,
@@ -521,7 +532,7 @@ def tables(doc: dict) -> list[Table]:
             rate = f["tokens_per_s"]
             ref = _ms(r["median_ms"]) if "median_ms" in r else r.get("error", "skipped")
             ratio = f"{e['reference_ratio']:.2f}" if e["reference_ratio"] else "-"
-            step = _ms(f["median_ms"]) + (" (graph)" if f["cuda_graph"] else "")
+            step = _ms(f["median_ms"]) + ({"decode": " (graph)", "piecewise": " (2 graphs)"}.get(f.get("graph_kind"), ""))
             main.add_row(*sizes, step, _ms(f["eager_median_ms"]), f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}", *floors, f"{e['floor_ratio']:,.1f}", ref, ratio)
             if f["breakdown_pct"] is not None:
                 parts.add_row(e["name"], *[f"{f['breakdown_pct'][c]:.1f}" for c in (*COMPONENTS, "other")])
@@ -559,7 +570,7 @@ def register_forward(subparsers) -> None:
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None, help="also time the dequantised reference path (default: on for CUDA)")
     p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True, help="time one step per case section by section (the time by component)")
     p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None, help="the fast path (default: where it can run: CUDA, bfloat16, V4.1; on CPU it runs its torch references)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="decode-shaped cases on the fast path: also time them as CUDA-graph replays (the step time)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="cases on the fast path: also time them as CUDA-graph replays (the step time): decode-shaped ones in one graph, others in the two pieces of dsv4.engine.cuda_graphs.PiecewiseGraphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the results here")
     p.set_defaults(func=forward_main)

@@ -1,4 +1,7 @@
-"""Decode steps on fixed shapes: batches padded to a size bucket, replayed from CUDA graphs.
+"""Steps on fixed shapes: batches padded to size buckets, replayed from CUDA graphs.
+
+`DecodeGraphs` captures whole decode steps per batch-size bucket; `PiecewiseGraphs` any other
+fast-path batch (prefill, prefix hits, chunked prefill, mixed) in two pieces (below).
 
 A decode step (every request advances by the same few rows and samples) is small enough
 that launching its kernels one by one costs more than running them. The fast path
@@ -21,11 +24,26 @@ import torch
 
 from dsv4.cache.storage import KVCacheStorage
 from dsv4.model.batch import ForwardBatch
-from dsv4.model.model import Model
+from dsv4.model.model import Carry, Model
 from dsv4.model.step import Step, build_step
 
 # Batch-size buckets (vLLM's default capture sizes up to 256, in steps of 8 beyond 8).
 DEFAULT_SIZES = (1, 2, 4, 8, *range(16, 257, 8))
+
+
+def _capture(body, device: torch.device, pool):
+    """Warm `body` up outside a graph (Triton compiles, cuBLAS picks its kernels) on a side
+    stream, as capture requires, then capture it into `pool` -> (graph, body's output)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -107,16 +125,195 @@ class DecodeGraphs:
     def _entry(self, size: int) -> tuple[Step, torch.cuda.CUDAGraph, torch.Tensor]:
         if size not in self._steps:
             step = self._static_step(size)
-            # warm up outside the graph (Triton compiles, cuBLAS picks its kernels), on a side
-            # stream as capture requires
-            side = torch.cuda.Stream(self.model.device)
-            side.wait_stream(torch.cuda.current_stream(self.model.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._body(step)
-            torch.cuda.current_stream(self.model.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._body(step)
+            graph, out = _capture(lambda: self._body(step), self.model.device, self._pool)
             self._steps[size] = (step, graph, out)
         return self._steps[size]
+
+
+# Row-count buckets of the piecewise graphs (each piece on its own): steps of 16 rows up to 256,
+# then 128 up to 2K, 512 up to 8K, 2K up to 32K (a padded step wastes at most ~6-12%).
+ROW_SIZES = tuple(sorted({*range(16, 257, 16), *range(384, 2049, 128), *range(2560, 8193, 512), *range(10240, 32769, 2048)}))
+REQUEST_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The fields of a step each piece reads (`Step.copy_` refills only those).
+ENCODER_FIELDS = ("input_ids", "prev_tokens", "block_tables", "slots", "emit_from", "enc")
+DECODER_FIELDS = ("block_tables", "slots", "dec", "dec_keep", "logits_index")
+
+
+def _spread(total: int, parts: int, caps: list[int] | None = None) -> list[int]:
+    """`total` as `parts` counts of at least 1 (at most caps[i]), the rest on the last ones."""
+    out = [1] * parts
+    left = total - parts
+    for i in reversed(range(parts)):
+        room = (caps[i] if caps else total) - out[i]
+        take = min(left, room)
+        out[i] += take
+        left -= take
+    if left or total < parts:
+        raise ValueError(f"_spread: {total} rows do not fit {parts} requests (caps {caps})")
+    return out
+
+
+class PiecewiseGraphs:
+    """Runs any fast-path batch as two CUDA graphs: the encoder piece (every layer before
+    the V4.1 CED split, and the split layer up to its attention: `Model.encode_step`) on the
+    step's rows padded to a `row_sizes` bucket, and the decoder piece (`Model.decode_step`)
+    on the rows the decoder keeps (bounded replay: each request's last `window`; exact mode:
+    all) padded to a bucket of its own, each for a bucket of `request_sizes` requests.
+
+    The pieces meet in fixed buffers of max(row_sizes) rows (the `Carry` at the split: the
+    residual streams, the split layer's attention input and mixes, ids, engram hashes, the
+    published selections): the encoder graph of R rows writes their first R rows and the
+    decoder graph gathers its rows from them (`step.dec_keep`), so a decoder graph serves any
+    encoder bucket and the graphs number len(request buckets) x (row buckets used by either
+    piece), not their product. Padding requests (as in `DecodeGraphs`: no blocks, write
+    nothing) absorb the padding rows; each adds one logits row at the end. Graphs are captured
+    on first use of a bucket (`capture` does it ahead). Without graphs (`use_graphs=False`,
+    CPU) the pieces run eagerly on the same padded shapes, so outputs are the same."""
+
+    def __init__(self, model: Model, cache: KVCacheStorage, *, max_blocks: int, row_sizes=ROW_SIZES, request_sizes=REQUEST_SIZES, use_graphs: bool | None = None):
+        if not model.fast:
+            raise ValueError("PiecewiseGraphs: the model runs the reference path (fast_path=False or an unsupported config)")
+        row_sizes, request_sizes = sorted({int(s) for s in row_sizes}), sorted({int(s) for s in request_sizes})
+        if not row_sizes or row_sizes[0] < 1 or not request_sizes or request_sizes[0] < 1:
+            raise ValueError(f"row_sizes / request_sizes: expected positive sizes, got {row_sizes} / {request_sizes}")
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks: expected >= 1, got {max_blocks}")
+        self.model, self.cache, self.max_blocks = model, cache, max_blocks
+        self.row_sizes, self.request_sizes = row_sizes, request_sizes
+        self.use_graphs = model.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and model.device.type != "cuda":
+            raise ValueError("use_graphs: CUDA graphs need a CUDA model")
+        self._encoders: dict[tuple[int, int], tuple[Step, torch.cuda.CUDAGraph | None]] = {}  # (requests, rows)
+        self._decoders: dict[tuple[int, int, int], tuple[Step, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}  # (requests, rows, logits)
+        self._buffers: Carry | None = None
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.host_ms = 0.0
+
+    # ------------------------------------------------------------------------- shapes
+    def plan(self, batch: ForwardBatch) -> dict | None:
+        """The padded shapes of `batch` (requests, rows and decoder rows of each piece, logits
+        rows, the padding requests' row counts), or None when no bucket holds it."""
+        if batch.trace is not None or batch.capture is not None or batch.block_tables.shape[1] > self.max_blocks:
+            return None
+        n, rows = batch.num_requests, sum(batch.num_tokens)
+        dec = rows if batch.decoder_tokens is None else sum(min(k, t) for k, t in zip(batch.decoder_tokens, batch.num_tokens))
+        up = lambda sizes, v: next((s for s in sizes if s >= v), None)
+        for extra in (0, 1):  # no padding request when both row counts are buckets already
+            b = up(self.request_sizes, n + extra)
+            if b is None or n == 0:
+                return None
+            pad = b - n
+            if pad == 0:
+                if rows in self.row_sizes and dec in self.row_sizes:
+                    return {"requests": b, "rows": rows, "dec_rows": dec, "logits": batch.logits_rows.numel(), "pad_rows": [], "pad_dec_rows": []}
+                continue
+            dec_b = up(self.row_sizes, dec + pad) if dec < rows else None
+            rows_b = up(self.row_sizes, rows + max(pad, (dec_b or 0) - dec))
+            if rows_b is None or (dec < rows and dec_b is None):
+                return None
+            if dec == rows:  # exact mode: the decoder keeps every row, padding included
+                dec_b = rows_b
+            pad_rows = _spread(rows_b - rows, pad)
+            return {"requests": b, "rows": rows_b, "dec_rows": dec_b, "logits": batch.logits_rows.numel() + pad,
+                    "pad_rows": pad_rows, "pad_dec_rows": _spread(dec_b - dec, pad, pad_rows)}
+        return None
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        return self.plan(batch) is not None
+
+    # ------------------------------------------------------------------------- running
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [len(batch.logits_rows), vocab] (fp32) of a batch that `fits`; they live in
+        a captured output: read them before the next call."""
+        plan = self.plan(batch)
+        if plan is None:
+            raise ValueError("PiecewiseGraphs.run: no bucket holds the batch (see plan)")
+        started = time.perf_counter()
+        fresh = self._step(batch, plan, "cpu" if self.use_graphs else self.model.device)
+        logits = batch.logits_rows.numel()
+        if not self.use_graphs:
+            self._store(self.model.encode_step(fresh, self.cache))
+            return self.model.logits(self.model.decode_step(self._buffers, fresh, self.cache))[:logits]
+        enc_step, enc_graph = self._encoder(plan["requests"], plan["rows"])
+        dec_step, dec_graph, out = self._decoder(plan["requests"], plan["dec_rows"], plan["logits"])
+        enc_step.copy_(fresh, ENCODER_FIELDS)
+        dec_step.copy_(fresh, DECODER_FIELDS)
+        self.host_ms = (time.perf_counter() - started) * 1e3
+        enc_graph.replay()
+        dec_graph.replay()
+        return out[:logits]
+
+    def capture(self, batch: ForwardBatch) -> None:
+        """Capture the graphs `batch` will replay (no-op without graphs)."""
+        plan = self.plan(batch)
+        if plan is None:
+            raise ValueError("PiecewiseGraphs.capture: no bucket holds the batch (see plan)")
+        if self.use_graphs:
+            self._encoder(plan["requests"], plan["rows"])
+            self._decoder(plan["requests"], plan["dec_rows"], plan["logits"])
+
+    # ------------------------------------------------------------------------- internals
+    def _step(self, batch: ForwardBatch, plan: dict, device) -> Step:
+        step = build_step(batch, self.model.cfg, self.cache.block_size, device, pad_requests=len(plan["pad_rows"]),
+                          pad_rows=plan["pad_rows"], pad_dec_rows=plan["pad_dec_rows"], pad_logits=1, max_blocks=self.max_blocks,
+                          pinned=self.use_graphs)
+        if step.dec_keep is None:  # the decoder gathers its rows from the carry buffers in every case
+            keep = torch.arange(step.dec.num_rows)
+            step.dec_keep = keep.pin_memory() if self.use_graphs else keep.to(step.slots.device)
+        return step
+
+    def _static(self, requests: int, rows: int, dec_rows: int, logits: int) -> Step:
+        """A step of padding requests only (writes nothing) with the given shapes."""
+        cfg, device = self.model.cfg, self.model.device
+        look_back = max(cfg.engram_max_ngram_size - 1, 1)
+        empty = ForwardBatch(
+            input_ids=torch.zeros(0, dtype=torch.long), positions=torch.zeros(0, dtype=torch.long),
+            start_pos=[], num_tokens=[], slots=[], block_tables=torch.zeros(0, self.max_blocks, dtype=torch.long),
+            prev_tokens=torch.zeros(0, look_back, dtype=torch.long),
+        )
+        pad_rows = _spread(rows, requests)
+        pad_dec = _spread(dec_rows, requests, pad_rows)
+        step = build_step(empty, cfg, self.cache.block_size, device, pad_requests=requests, pad_rows=pad_rows, pad_dec_rows=pad_dec,
+                          pad_logits=_spread(logits, requests, pad_dec) if logits >= requests else [1] * logits + [0] * (requests - logits),
+                          max_blocks=self.max_blocks)
+        if step.dec_keep is None:
+            step.dec_keep = torch.arange(step.dec.num_rows, device=device)
+        return step
+
+    def _store(self, carry: Carry) -> None:
+        """Copy the encoder's carry into the first rows of the buffers (made on first use)."""
+        if self._buffers is None:
+            rows = max(self.row_sizes) if self.use_graphs else carry.ids.shape[0]
+            wide = lambda t: None if t is None else t.new_zeros((rows, *t.shape[1:]))
+            self._buffers = Carry(ids=wide(carry.ids), streams=wide(carry.streams), pre=None, hashes=wide(carry.hashes),
+                                  shared={k: wide(v) for k, v in carry.shared.items()}, residual=wide(carry.residual),
+                                  a_pre=wide(carry.a_pre), a_post=wide(carry.a_post), a_comb=wide(carry.a_comb), h=wide(carry.h))
+        buf = self._buffers
+        if not self.use_graphs and buf.ids.shape[0] < carry.ids.shape[0]:  # eager: grow to the largest step
+            self._buffers = None
+            return self._store(carry)
+        n = carry.ids.shape[0]
+        for name in ("ids", "streams", "hashes", "residual", "a_pre", "a_post", "a_comb", "h"):
+            src = getattr(carry, name)
+            if src is not None:
+                getattr(buf, name)[:n].copy_(src)
+        for key, src in carry.shared.items():
+            buf.shared[key][:n].copy_(src)
+
+    def _encoder(self, requests: int, rows: int):
+        key = (requests, rows)
+        if key not in self._encoders:
+            step = self._static(requests, rows, rows, requests)
+            graph, _ = _capture(lambda: self._store(self.model.encode_step(step, self.cache)), self.model.device, self._pool)
+            self._encoders[key] = (step, graph)
+        return self._encoders[key]
+
+    def _decoder(self, requests: int, dec_rows: int, logits: int):
+        key = (requests, dec_rows, logits)
+        if key not in self._decoders:
+            if self._buffers is None:
+                raise RuntimeError("PiecewiseGraphs: an encoder graph makes the carry buffers; capture one first")
+            step = self._static(requests, dec_rows, dec_rows, logits)
+            graph, out = _capture(lambda: self.model.logits(self.model.decode_step(self._buffers, step, self.cache)), self.model.device, self._pool)
+            self._decoders[key] = (step, graph, out)
+        return self._decoders[key]

@@ -16,7 +16,7 @@ import torch
 from dsv4.cache.manager import KVCacheManager, plan_capacity
 from dsv4.cache.storage import KVCacheStorage
 from dsv4.config import EngineConfig, load_config
-from dsv4.engine.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
+from dsv4.engine.cuda_graphs import DEFAULT_SIZES, REQUEST_SIZES, ROW_SIZES, DecodeGraphs, PiecewiseGraphs
 from dsv4.engine.detokenizer import RequestStream, TokenBytes
 from dsv4.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from dsv4.engine.request import Request
@@ -61,13 +61,17 @@ class LLMEngine:
         self.storage = KVCacheStorage(mcfg, num_slots=cfg.max_num_seqs, num_blocks=num_blocks, block_size=cfg.block_size, dtype=dtype, device=self.device)
         self.manager = KVCacheManager(mcfg, self.storage, cfg.block_size, num_blocks, cfg.max_num_seqs, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, mcfg, self.manager)
-        decode = None
-        if self.model.fast:  # decode steps padded to buckets; CUDA graphs unless enforce_eager
-            sizes = [s for s in DEFAULT_SIZES if s < cfg.max_num_seqs] + [cfg.max_num_seqs]
+        decode = prefill = None
+        if self.model.fast:  # steps padded to buckets; CUDA graphs unless enforce_eager
+            below = lambda sizes, top: [s for s in sizes if s < top] + [top]
             use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
-            decode = DecodeGraphs(self.model, self.storage, max_blocks=-(-self.max_model_len // cfg.block_size), sizes=sizes, use_graphs=use_graphs)
+            max_blocks = -(-self.max_model_len // cfg.block_size)
+            decode = DecodeGraphs(self.model, self.storage, max_blocks=max_blocks, sizes=below(DEFAULT_SIZES, cfg.max_num_seqs), use_graphs=use_graphs)
             decode.capture()
-        self.runner = ModelRunner(self.model, self.storage, self.manager, decode)
+            # prefill graphs are captured on first use of a bucket (there are many)
+            prefill = PiecewiseGraphs(self.model, self.storage, max_blocks=max_blocks, row_sizes=below(ROW_SIZES, cfg.max_num_batched_tokens),
+                                      request_sizes=below(REQUEST_SIZES, cfg.max_num_seqs), use_graphs=use_graphs)
+        self.runner = ModelRunner(self.model, self.storage, self.manager, decode, prefill)
         self.sampler = Sampler(make_generator(cfg.seed, self.device))
         self.token_bytes = TokenBytes(self.tokenizer.backend)
         self._groups: dict[str, list[Request]] = {}

@@ -10,7 +10,7 @@ import torch
 
 from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.storage import KVCacheStorage
-from dsv4.engine.cuda_graphs import DecodeGraphs
+from dsv4.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from dsv4.engine.scheduler import Chunk
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.model import Model
@@ -24,11 +24,13 @@ class StepLogits:
 
 
 class ModelRunner:
-    """`decode`: runs decode-shaped steps padded to size buckets (from CUDA graphs on the
-    GPU); None: every step runs the model as it comes (the reference path)."""
+    """`decode`: runs decode-shaped steps padded to size buckets, `prefill` the other steps
+    in its two pieces padded to row buckets (both from CUDA graphs on the GPU, padded the same
+    way without them); None: every step runs the model as it comes (the reference path)."""
 
-    def __init__(self, model: Model, storage: KVCacheStorage, manager: KVCacheManager, decode: DecodeGraphs | None = None):
-        self.model, self.storage, self.manager, self.decode = model, storage, manager, decode
+    def __init__(self, model: Model, storage: KVCacheStorage, manager: KVCacheManager, decode: DecodeGraphs | None = None,
+                 prefill: PiecewiseGraphs | None = None):
+        self.model, self.storage, self.manager, self.decode, self.prefill = model, storage, manager, decode, prefill
         self.device = model.device
         self.lookback = max(model.cfg.engram_max_ngram_size - 1, 1)
 
@@ -83,5 +85,7 @@ class ModelRunner:
         batch, sample_rows, prompt_rows = self.build_batch(chunks)
         if self.decode is not None and self.decode.fits(batch):
             return StepLogits(self.decode.run(batch), sample_rows, prompt_rows)
+        if self.prefill is not None and self.prefill.fits(batch):
+            return StepLogits(self.prefill.run(batch), sample_rows, prompt_rows)
         hidden = self.model.forward(batch, self.storage)
         return StepLogits(self.model.logits(hidden), sample_rows, prompt_rows)

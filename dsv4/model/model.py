@@ -7,6 +7,8 @@ encoder-decoder split (V4.1); per-site `pre`, the final `hc_head`, hash-routed M
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 
@@ -58,6 +60,35 @@ def fast_path_unsupported(cfg: ModelConfig) -> str | None:
     return None
 
 
+@dataclass
+class Carry:
+    """What flows between layers: the residual streams, the `pre` mix of the last FFN site
+    (V4.1's input collapse), the token ids (hash routing) and engram hashes, the selections
+    that index sources publish for later layers (`shared`), and inside a layer the attention
+    site's state (its residual, mixes and normed input)."""
+
+    ids: torch.Tensor
+    streams: torch.Tensor
+    pre: torch.Tensor
+    hashes: torch.Tensor | None
+    shared: dict
+    residual: torch.Tensor | None = None
+    a_pre: torch.Tensor | None = None
+    a_post: torch.Tensor | None = None
+    a_comb: torch.Tensor | None = None
+    h: torch.Tensor | None = None
+
+    def kept(self, keep: torch.Tensor | None) -> Carry:
+        """The rows `keep` (the decoder's, at the CED split) of every per-row tensor but the
+        selections, which the rows' own `split` keeps, and `pre`, which the split layer
+        replaces before anything reads it."""
+        if keep is None:
+            return self
+        pick = lambda t: None if t is None else t[keep]
+        return Carry(ids=pick(self.ids), streams=pick(self.streams), pre=None, hashes=pick(self.hashes), shared=self.shared,
+                     residual=pick(self.residual), a_pre=pick(self.a_pre), a_post=pick(self.a_post), a_comb=pick(self.a_comb), h=pick(self.h))
+
+
 class Model:
     """`fast_path`: None picks the fast path on CUDA in bf16 when the config allows it
     (`fast_path_unsupported`), the reference path otherwise; True / False force one (True on
@@ -82,6 +113,8 @@ class Model:
         ]
         if not self.v41:
             self.hc_head = (weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"])
+        # blocks[split_at] is the CED split layer (len(blocks): none, every layer sees every row)
+        self.split_at = next((i for i, r in enumerate(cfg.roles) if r.index == cfg.ced_split), len(self.blocks))
         self.hasher = None
         if self.v41 and cfg.engram_layer_ids:
             if token_map is None:
@@ -104,11 +137,33 @@ class Model:
     def forward_step(self, step: Step, cache: KVCacheStorage) -> torch.Tensor:
         """The fast path on a `Step` (dsv4.model.step) -> hidden states [len(step.logits_index), D].
         No host synchronisation: CUDA graphs capture this (dsv4.engine.cuda_graphs)."""
+        return self.decode_step(self.encode_step(step, cache), step, cache)
+
+    @torch.inference_mode()
+    def encode_step(self, step: Step, cache: KVCacheStorage) -> Carry:
+        """The fast path's first piece: every row through the layers before the CED split and
+        the split layer up to its attention (dsv4.engine.cuda_graphs captures the two pieces
+        on their own row counts)."""
         step.forget_derived()  # derived tensors are made inside this forward (and its graph)
         rows = step.enc
-        return self._run(step.input_ids, rows.req, rows.local, rows.positions, step.prev_tokens, _FastRows(step, cache), None, None)
+        return self._encode(step.input_ids, rows.req, rows.local, rows.positions, step.prev_tokens, _FastRows(step, cache), None, None)
+
+    @torch.inference_mode()
+    def decode_step(self, carry: Carry, step: Step, cache: KVCacheStorage) -> torch.Tensor:
+        """The second piece: the rows the decoder keeps (`step.dec`) from the split layer's
+        attention on -> hidden states [len(step.logits_index), D]."""
+        step.dec.memo.clear()
+        rows = _FastRows(step, cache)
+        shared = dict(carry.shared)  # the split replaces the selections by the kept rows': not in the caller's carry
+        keep = rows.split(shared) if self.split_at < len(self.blocks) else None
+        return self._decode(replace(carry.kept(keep), shared=shared), rows, None, None)
 
     def _run(self, ids, req, local, positions, prev_tokens, rows, trace, capture) -> torch.Tensor:
+        carry = self._encode(ids, req, local, positions, prev_tokens, rows, trace, capture)
+        keep = rows.split(carry.shared) if self.split_at < len(self.blocks) else None
+        return self._decode(carry.kept(keep), rows, trace, capture)
+
+    def _encode(self, ids, req, local, positions, prev_tokens, rows, trace, capture) -> Carry:
         cfg = self.cfg
         x = F.embedding(ids, self.embed).to(self.dtype)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -118,51 +173,59 @@ class Model:
         if self.hasher is not None:
             with section("engram"):
                 hashes = self.hasher(ids, req, local, positions, prev_tokens)
-        shared: dict = {}
-        for block in self.blocks:
-            role = block.role
-            if block.engram is not None:
-                k = cfg.engram_layer_ids.index(role.index)
-                with section("engram"):
-                    streams = block.engram(streams, hashes[:, k])
-            if capture is not None and role.index in cfg.dspark_target_layer_ids:
-                capture.setdefault("dspark", {})[role.index] = streams[rows.final()].mean(dim=1)
-            residual = streams
-            with section("mhc"):
-                a_pre, a_post, a_comb = block.mixes(streams, "attn")
-                h = block.collapse_norm(streams, pre if self.v41 else a_pre, block.attn_norm)
-            if role.owns_compressor:
-                with section("compressor"):
-                    rows.compress(block.attn, h)
-            if role.index == cfg.ced_split:
-                keep = rows.split(shared)
-                if keep is not None:
-                    streams, residual, a_pre, a_post, a_comb, h, ids = (
-                        t[keep] for t in (streams, residual, a_pre, a_post, a_comb, h, ids)
-                    )
-                    if hashes is not None:
-                        hashes = hashes[keep]
-            with section("attention"):
-                y = rows.attend(block.attn, h, shared)
-            with section("mhc"):
-                streams = hc_expand(y, residual, a_post, a_comb, fp32=self.v41)
-                residual = streams
-                f_pre, f_post, f_comb = block.mixes(streams, "ffn")
-                h = block.collapse_norm(streams, a_pre if self.v41 else f_pre, block.ffn_norm)
-            with section("moe"):
-                y = block.ffn(h, ids, trace, f"L{role.index}")
-            with section("mhc"):
-                streams = hc_expand(y, residual, f_post, f_comb, fp32=self.v41)
-            pre = f_pre
+        carry = Carry(ids=ids, streams=streams, pre=pre, hashes=hashes, shared={})
+        for i, block in enumerate(self.blocks[: self.split_at + 1]):
+            self._block_in(block, carry, rows, capture)
+            if i < self.split_at:
+                self._block_out(block, carry, rows, trace)
+        return carry
+
+    def _decode(self, carry: Carry, rows, trace, capture) -> torch.Tensor:
+        cfg = self.cfg
+        for i, block in enumerate(self.blocks[self.split_at :]):
+            if i > 0:
+                self._block_in(block, carry, rows, capture)
+            self._block_out(block, carry, rows, trace)
         want = rows.final()
-        streams = streams[want]
+        streams = carry.streams[want]
         if capture is not None:
             capture["final_streams"] = streams
         if self.v41:
-            return hc_collapse_norm(streams, pre[want], self.final_norm, cfg.rms_norm_eps, weight_in_fp32=False)
+            return hc_collapse_norm(streams, carry.pre[want], self.final_norm, cfg.rms_norm_eps, weight_in_fp32=False)
         fn, base, scale = self.hc_head
         final = hc_head(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
         return rms_norm(final, self.final_norm, cfg.rms_norm_eps, weight_in_fp32=True)
+
+    def _block_in(self, block: Block, carry: Carry, rows, capture) -> None:
+        """A layer up to its attention: [engram], the attention site's mixes and input, and
+        the compressor (which runs on every row, the split layer's included)."""
+        cfg, role = self.cfg, block.role
+        if block.engram is not None:
+            with section("engram"):
+                carry.streams = block.engram(carry.streams, carry.hashes[:, cfg.engram_layer_ids.index(role.index)])
+        if capture is not None and role.index in cfg.dspark_target_layer_ids:
+            capture.setdefault("dspark", {})[role.index] = carry.streams[rows.final()].mean(dim=1)
+        carry.residual = carry.streams
+        with section("mhc"):
+            carry.a_pre, carry.a_post, carry.a_comb = block.mixes(carry.streams, "attn")
+            carry.h = block.collapse_norm(carry.streams, carry.pre if self.v41 else carry.a_pre, block.attn_norm)
+        if role.owns_compressor:
+            with section("compressor"):
+                rows.compress(block.attn, carry.h)
+
+    def _block_out(self, block: Block, carry: Carry, rows, trace) -> None:
+        """The rest of a layer: attention, the FFN site, MoE."""
+        with section("attention"):
+            y = rows.attend(block.attn, carry.h, carry.shared)
+        with section("mhc"):
+            streams = hc_expand(y, carry.residual, carry.a_post, carry.a_comb, fp32=self.v41)
+            f_pre, f_post, f_comb = block.mixes(streams, "ffn")
+            h = block.collapse_norm(streams, carry.a_pre if self.v41 else f_pre, block.ffn_norm)
+        with section("moe"):
+            y = block.ffn(h, carry.ids, trace, f"L{block.role.index}")
+        with section("mhc"):
+            carry.streams = hc_expand(y, streams, f_post, f_comb, fp32=self.v41)
+        carry.pre = f_pre
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits in fp32 (the head runs in the activation dtype)."""

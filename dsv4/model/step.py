@@ -91,15 +91,25 @@ class Step:
         self.enc.memo.clear()
         self.dec.memo.clear()
 
-    def copy_(self, other: Step) -> None:
+    def copy_(self, other: Step, names: tuple[str, ...] | None = None) -> None:
         """Refill these tensors in place from a step of the same shapes (a captured graph's
-        inputs)."""
+        inputs); `names`: only these fields (a piece of a forward that reads no others)."""
         if other.widths != self.widths or (other.dec_keep is None) != (self.dec_keep is None):
             raise ValueError("Step.copy_: the steps differ in structure")
-        for dst, src in zip(self.tensors(), other.tensors()):
-            if dst.shape != src.shape:
-                raise ValueError(f"Step.copy_: shape {list(src.shape)} does not fit {list(dst.shape)}")
-            dst.copy_(src, non_blocking=True)
+        for f in fields(self):
+            if names is not None and f.name not in names:
+                continue
+            dst, src = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(dst, Rows):
+                pairs = [(getattr(dst, g.name), getattr(src, g.name)) for g in fields(dst) if g.name != "memo"]
+            elif isinstance(dst, torch.Tensor):
+                pairs = [(dst, src)]
+            else:
+                continue
+            for d, s in pairs:
+                if d.shape != s.shape:
+                    raise ValueError(f"Step.copy_: {f.name} shape {list(s.shape)} does not fit {list(d.shape)}")
+                d.copy_(s, non_blocking=True)
 
 
 def _rows(starts: list[int], counts: list[int], floors: list[int], write: list[bool]) -> Rows:
@@ -114,24 +124,32 @@ def _rows(starts: list[int], counts: list[int], floors: list[int], write: list[b
 
 
 def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: torch.device | str, *, pad_requests: int = 0,
-               pad_rows: int = 1, max_blocks: int | None = None, pinned: bool = False) -> Step:
-    """The fast path's view of `batch` on `device`. `pad_requests` appends padding requests of
-    `pad_rows` rows each (graph buckets); `max_blocks` widens the block tables (and with them
-    the indexer score tables) to a fixed capacity, so that steps of any context length fit one
-    captured shape. `pinned` (with a CPU device): page-locked host tensors, to be copied into a
-    CUDA step (`Step.copy_`) without a synchronous copy. Built from host data: give the batch
-    CPU tensors, or its device tensors are read back (a synchronisation)."""
+               pad_rows: int | list[int] = 1, pad_dec_rows: list[int] | None = None, pad_logits: int | list[int] | None = None,
+               max_blocks: int | None = None, pinned: bool = False) -> Step:
+    """The fast path's view of `batch` on `device`. `pad_requests` appends padding requests
+    (graph buckets) of `pad_rows` rows each (or one count per padding request), of which the
+    last `pad_dec_rows` run the decoder (default: all) and the last `pad_logits` of those are
+    logits rows (a count for all or one per padding request; default: all, decode buckets); `max_blocks` widens the block tables (and with
+    them the indexer score tables) to a fixed capacity, so that steps of any context length
+    fit one captured shape. `pinned` (with a CPU device): page-locked host tensors, to be
+    copied into a CUDA step (`Step.copy_`) without a synchronous copy. Built from host data:
+    give the batch CPU tensors, or its device tensors are read back (a synchronisation)."""
     device = torch.device(device)
     b, n_pad = batch.num_requests, pad_requests
-    starts, counts = list(batch.start_pos) + [0] * n_pad, list(batch.num_tokens) + [pad_rows] * n_pad
+    pad_enc = [pad_rows] * n_pad if isinstance(pad_rows, int) else list(pad_rows)
+    pad_dec = list(pad_enc) if pad_dec_rows is None else list(pad_dec_rows)
+    if len(pad_enc) != n_pad or len(pad_dec) != n_pad or not all(0 < d <= e for d, e in zip(pad_dec, pad_enc)):
+        raise ValueError(f"padding: {n_pad} requests need one count each with 0 < decoder rows <= rows, got rows {pad_enc}, decoder rows {pad_dec}")
+    starts, counts = list(batch.start_pos) + [0] * n_pad, list(batch.num_tokens) + pad_enc
     write = [True] * b + [False] * n_pad
     enc = _rows(starts, counts, list(batch.window_floor) + [0] * n_pad, write)
     dec_floors = list(batch.decoder_window_floor) + [0] * n_pad
+    real = list(batch.num_tokens) if batch.decoder_tokens is None else [min(k, n) for k, n in zip(batch.decoder_tokens, batch.num_tokens)]
+    kept = real + pad_dec
     keep = None
-    if batch.decoder_tokens is None or all(k >= n for k, n in zip(batch.decoder_tokens, batch.num_tokens)):
+    if kept == counts:
         dec = _rows(starts, counts, dec_floors, write)
     else:
-        kept = [min(k, n) for k, n in zip(batch.decoder_tokens, batch.num_tokens)] + [pad_rows] * n_pad
         dec = _rows([s + n - k for s, n, k in zip(starts, counts, kept)], kept, dec_floors, write)
         keep = enc.row0.long()[dec.req.long()] + (dec.positions - enc.start[dec.req.long()])
     # logits rows: original flat rows -> rows of `dec` (each must have run the decoder)
@@ -145,7 +163,12 @@ def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: t
         logits_index = lookup[wanted]
         if bool((logits_index < 0).any()):
             raise ValueError("logits_rows: a requested row did not run the decoder layers (bounded replay keeps only each request's last tokens)")
-    logits_index = torch.cat([logits_index, torch.arange(n_dec - n_pad * pad_rows, n_dec)])  # padding rows' too: a fixed shape
+    # the padding requests' last rows too: a fixed shape
+    pad_ends = (dec.row0[b:].long() + dec.count[b:]).tolist()
+    pad_last = pad_dec if pad_logits is None else [pad_logits] * n_pad if isinstance(pad_logits, int) else list(pad_logits)
+    if len(pad_last) != n_pad or not all(0 <= n <= d for n, d in zip(pad_last, pad_dec)):
+        raise ValueError(f"pad_logits: expected 0 .. decoder rows logits rows per padding request, got {pad_last} for {pad_dec}")
+    logits_index = torch.cat([logits_index] + [torch.arange(end - n, end) for end, n in zip(pad_ends, pad_last)])
 
     tables = batch.block_tables.to(device="cpu", dtype=torch.int32)
     width = max(tables.shape[1], max_blocks or 0)
@@ -160,7 +183,7 @@ def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: t
     look_back = batch.prev_tokens.shape[1]
     prev = torch.full((b + n_pad, look_back), -1, dtype=torch.long)
     prev[:b] = batch.prev_tokens.cpu()
-    ids = torch.cat([batch.input_ids.cpu(), torch.zeros(n_pad * pad_rows, dtype=torch.long)])
+    ids = torch.cat([batch.input_ids.cpu(), torch.zeros(sum(pad_enc), dtype=torch.long)])
     slots = torch.tensor(list(batch.slots) + [0] * n_pad, dtype=torch.long)
     emit = torch.tensor(list(batch.emit_from) + [1 << 62] * n_pad, dtype=torch.long)
 

@@ -169,3 +169,87 @@ def test_fast_path_refuses_configs_it_cannot_serve():
         pytest.skip("golden sets not found")
     with pytest.raises(ValueError, match="fast_path=True: V4 runs the reference path"):
         LLM(folder, fast_path=True, **ENGINE)
+
+
+def _prefill_batch(ids_per_request: list[list[int]], decoder_tokens=None, logits_rows=None) -> ForwardBatch:
+    """Cold prefills (slot b, blocks b*32 ..); bounded: the decoder runs the last
+    `decoder_tokens[b]` rows, whose window starts at the first of them."""
+    n = len(ids_per_request)
+    floors = [max(len(p) - k, 0) for p, k in zip(ids_per_request, decoder_tokens)] if decoder_tokens else []
+    return ForwardBatch(
+        input_ids=torch.tensor([t for p in ids_per_request for t in p]), positions=torch.cat([torch.arange(len(p)) for p in ids_per_request]),
+        start_pos=[0] * n, num_tokens=[len(p) for p in ids_per_request], slots=list(range(n)),
+        block_tables=torch.arange(32 * n).view(n, 32), prev_tokens=torch.full((n, 3), -1), decoder_tokens=decoder_tokens,
+        decoder_window_floor=floors, logits_rows=logits_rows,
+    )
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_piecewise_buckets_equal_the_unpadded_step(fast, ref, bounded):
+    """Prefills of 17 + 40 (+ 5) tokens through the two pieces (encoder rows padded to 64 /
+    128, decoder rows to their own bucket, padding requests with several rows each): the
+    logits are those of the plain step, and padding writes nothing (the other slots' rings
+    are untouched)."""
+    from dsv4.engine.cuda_graphs import PiecewiseGraphs
+
+    eng = fast.engine
+    window = eng.model.cfg.window
+    seqs = [ref[f"prompt{i}.input_ids"].tolist() for i in (1, 2, 0)]
+    runner = PiecewiseGraphs(eng.model, eng.storage, max_blocks=40, row_sizes=(16, 32, 64, 128), request_sizes=(1, 4), use_graphs=False)
+    for chosen in (seqs[:2], seqs):
+        n = len(chosen)
+        lengths = [len(s) for s in chosen]
+        ends = torch.tensor(lengths).cumsum(0)
+        batch = _prefill_batch(chosen, [window] * n if bounded else None, logits_rows=ends - 1 if bounded else None)
+        plan = runner.plan(batch)
+        assert plan["requests"] == 4 and plan["rows"] in (64, 128) and plan["rows"] >= sum(lengths) + 4 - n
+        decoder_rows = sum(min(window, k) for k in lengths) if bounded else sum(lengths)
+        assert plan["dec_rows"] in runner.row_sizes and plan["dec_rows"] >= decoder_rows + 4 - n
+        ring0 = eng.storage.ring[0].codes.clone()
+        padded = runner.run(batch).clone()
+        assert torch.equal(eng.storage.ring[0].codes[n:].view(torch.uint8), ring0[n:].view(torch.uint8))
+        plain = eng.model.logits(eng.model.forward(batch, eng.storage))
+        assert padded.shape == plain.shape == (batch.logits_rows.numel(), plain.shape[1])
+        assert (padded - plain).abs().max() <= 1e-4
+        assert torch.equal(padded.argmax(-1), plain.argmax(-1))
+
+
+def test_piecewise_plan_and_bad_inputs(fast, ref):
+    from dsv4.engine.cuda_graphs import PiecewiseGraphs, _spread
+
+    eng = fast.engine
+    seq = ref["prompt2.input_ids"].tolist()
+    runner = PiecewiseGraphs(eng.model, eng.storage, max_blocks=40, row_sizes=(16, 32, 40), request_sizes=(1, 2), use_graphs=False)
+    exact = runner.plan(_prefill_batch([seq]))  # 40 rows, a bucket: no padding request
+    assert exact == {"requests": 1, "rows": 40, "dec_rows": 40, "logits": 40, "pad_rows": [], "pad_dec_rows": []}
+    assert runner.plan(_prefill_batch([seq[:20]]))["pad_rows"] == [12]
+    assert not runner.fits(_prefill_batch([seq, seq[:3]]))  # 43 rows: no bucket
+    with pytest.raises(ValueError, match="no bucket"):
+        runner.run(_prefill_batch([seq, seq[:3]]))
+    assert _spread(7, 3) == [1, 1, 5] and _spread(7, 3, [1, 3, 3]) == [1, 3, 3]
+    with pytest.raises(ValueError):
+        _spread(2, 3)
+    with pytest.raises(ValueError, match="reference path"):
+        PiecewiseGraphs(_llm(False).engine.model, eng.storage, max_blocks=4)
+    with pytest.raises(ValueError, match="padding"):
+        build_step(_prefill_batch([seq]), eng.model.cfg, 16, "cpu", pad_requests=1, pad_rows=[2], pad_dec_rows=[3])
+
+
+def test_piecewise_padding_past_the_block_capacity(fast, ref):
+    """Padding rows past the block tables' capacity (a 64-row bucket over 2 blocks of 16):
+    their positions index no block (the compressor's writes are masked, its block lookup
+    clamped), and the real rows' logits are the plain step's."""
+    from dsv4.engine.cuda_graphs import PiecewiseGraphs
+
+    eng = fast.engine
+    seqs = [ref["prompt1.input_ids"].tolist()[:17], ref["prompt0.input_ids"].tolist()]
+    batch = _prefill_batch(seqs)
+    batch.block_tables = batch.block_tables[:, :2]
+    runner = PiecewiseGraphs(eng.model, eng.storage, max_blocks=2, row_sizes=(64,), request_sizes=(4,), use_graphs=False)
+    plan = runner.plan(batch)
+    assert plan["rows"] == 64 and max(plan["pad_rows"]) > 2 * 16
+    static = runner._static(4, 64, 64, 4)  # what a graph is captured on: one padding request of 61 rows
+    runner._store(eng.model.encode_step(static, eng.storage))
+    padded = runner.run(batch).clone()
+    plain = eng.model.logits(eng.model.forward(batch, eng.storage))
+    assert (padded - plain).abs().max() <= 1e-4

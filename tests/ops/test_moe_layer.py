@@ -10,6 +10,8 @@ import torch
 import dsv4.ops
 from dsv4.model import quant
 from dsv4.model.layers.moe import MoE
+from dsv4.ops.triton import moe as moe_kernels
+from dsv4.ops.triton.moe import moe_experts_dense as dense_experts
 from dsv4.model.make_tiny import tiny_config
 from dsv4.config import parse_config
 
@@ -57,5 +59,13 @@ def test_grouped_moe_with_the_shared_expert_folded_in_matches_the_reference(monk
     assert (got.float() - want.float()).abs().max() <= 2**-7 * scale  # a couple of bf16 roundings
     # the dense (prefill) path on the same stacked weights, shared expert included
     monkeypatch.setattr("dsv4.model.layers.moe.DENSE_EXPERT_PAIRS", 0)
+    calls = []
+    monkeypatch.setattr("dsv4.ops.triton.moe_experts_dense", lambda *a: calls.append("dense") or dense_experts(*a))
     dense_path = fast(x, ids)
+    assert calls == ["dense"]
     assert (dense_path.float() - want.float()).abs().max() <= 2**-7 * scale
+    # experts over the bf16 budget take the grouped kernels at any load
+    monkeypatch.setitem(moe_kernels.MOE, "DENSE_TEMP_BYTES", 1)
+    small = MoE(compact, "ffn.", cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, False)
+    assert not small.dense_fits
+    assert torch.equal(small(x, ids), got) and calls == ["dense"]

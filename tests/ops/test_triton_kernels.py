@@ -678,3 +678,47 @@ def test_kernels_compile_for_sm90():
     cmd = [sys.executable, str(REPO / "scripts/check_kernels.py"), "--compile-only"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("weight_before_down", [True, False])
+def test_moe_experts_dense_matches_reference(weight_before_down):
+    """The prefill path (grouped bf16 GEMMs over dequantised experts, the fused SwiGLU) against
+    the per-expert reference, with an unused expert (an empty group)."""
+    t, top_k, n_exp, d, inter, limit = 24, 2, 5, 64, 96, 10.0
+    g = _gen(91)
+    x = (torch.randn(t, d, generator=g) * 2).bfloat16()
+    w13, s13, w2, s2 = _experts(n_exp, d, inter, g)
+    scores = moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g))
+    scores[:, 3] = 0.0  # expert 3 gets no token
+    weights, ids = moe_ref.route(scores, torch.zeros(n_exp), top_k, None, 1.5, True)
+    assert not (ids == 3).any() and len(ids.unique()) == n_exp - 1
+    w1 = [Linear(_dequant_rows(w13[e, :inter], s13[e, :inter])) for e in range(n_exp)]
+    w3 = [Linear(_dequant_rows(w13[e, inter:], s13[e, inter:])) for e in range(n_exp)]
+    w2l = [Linear(_dequant_rows(w2[e], s2[e])) for e in range(n_exp)]
+    ref = moe_ref.experts_forward(x, weights, ids, w1, w2l, w3, limit, weight_before_down).float()
+    dev = [a.to(DEVICE) for a in (x, ids, weights, w13, s13, w2, s2)]
+    y = moe.moe_experts_dense(*dev, limit, weight_before_down)
+    assert y.dtype == torch.float32 and y.shape == (t, d)
+    if weight_before_down:  # the same rounding points as the reference
+        assert _rel_err(y, ref) <= 2 * BF16_REL
+    else:  # the reference sums in bf16
+        assert (y.cpu() - ref).abs().max() <= 3 * BF16_REL * ref.abs().max()
+    # the grouped (decode) kernels on the same inputs: the same roundings
+    assert _rel_err(y, moe.moe_experts(*dev, limit, weight_before_down).cpu()) <= 2 * BF16_REL
+
+
+def test_moe_experts_dense_rejects_bad_inputs(monkeypatch):
+    g = _gen(5)
+    w13, s13, w2, s2 = _experts(2, 64, 96, g)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    ids, weights = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with pytest.raises(TypeError, match="bfloat16"):
+        moe.moe_experts_dense(x.float(), ids, weights, w13, s13, w2, s2, 10.0, True)
+    with pytest.raises(ValueError, match="shapes"):
+        moe.moe_experts_dense(x[:, :32], ids, weights, w13, s13, w2, s2, 10.0, True)
+    empty = moe.moe_experts_dense(x[:0], ids[:0], weights[:0], w13, s13, w2, s2, 10.0, True)
+    assert empty.shape == (0, 64) and empty.dtype == torch.float32
+    monkeypatch.setitem(moe.MOE, "DENSE_TEMP_BYTES", w13.numel())  # half the bf16 copy
+    assert not moe.dense_fits(w13)
+    with pytest.raises(ValueError, match="DENSE_TEMP_BYTES"):
+        moe.moe_experts_dense(x, ids, weights, w13, s13, w2, s2, 10.0, True)

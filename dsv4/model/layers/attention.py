@@ -535,7 +535,9 @@ class Attention:
         latent, entry, emit = self.compressor.fast(x, rows, step, cache, layer)
         cos, sin = self.rope.cos_sin(entry * r, "compress")
         per_block = cache.block_size // r
-        where = (step.block_tables[rows.req.long(), entry // per_block].long(), entry % per_block)
+        # a padding row's position may lie past the table (its writes are masked off)
+        block = (entry // per_block).clamp(max=step.block_tables.shape[1] - 1)
+        where = (step.block_tables[rows.req.long(), block].long(), entry % per_block)
         keys = self.norm(linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)  # from the PRE-RoPE latent
         kvops.store_rows(cache.idx[layer], "idx", apply_rope(keys, cos, sin), where, emit)
         kvops.store_rows(cache.ckv[layer], "ckv", apply_rope(latent, cos, sin), where, emit)

@@ -17,9 +17,9 @@ from dsv4.ops import on_triton
 from dsv4.ops.linear import Linear, linear
 
 # From this many (token, expert) pairs per expert on average, the experts are compute bound:
-# each used expert's FP8 weights are dequantised to bf16 (exact) for cuBLAS GEMMs, which run
-# at 2-3x the grouped weight-only kernel's rate there; below, the grouped kernel reads one
-# byte per weight.
+# the layer's FP8 experts are dequantised to bf16 (exact) for grouped bf16 GEMMs
+# (`moe_experts_dense`), faster there than the weight-only kernels (`moe_experts`), which read
+# one byte per weight but re-read and re-dequantise it for every tile of pairs.
 DENSE_EXPERT_PAIRS = 256
 
 
@@ -67,9 +67,13 @@ class MoE:
                 torch.stack([d.scale for d in w2]),
             )
             self.experts = None
+            from dsv4.ops.triton.moe import dense_fits
+
+            self.dense_fits = dense_fits(self.grouped[0])
 
     def _unstacked(self) -> tuple[list, list, list]:
-        """Per-expert views (w1, w2, w3) of the stacked GPU weights (the dense torch path)."""
+        """Per-expert views (w1, w2, w3) of the stacked GPU weights (the per-expert torch path,
+        for activations other than bf16)."""
         if self.experts is not None:
             return self.experts
         w13, s13, w2, s2 = self.grouped
@@ -93,10 +97,12 @@ class MoE:
             indices = torch.cat([indices, torch.full_like(indices[:, :1], shared_id)], dim=1)
             weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
         experts = self.grouped[0].shape[0] if self.grouped is not None else len(self.experts[0])
-        if self.grouped is not None and x.dtype == torch.bfloat16 and indices.numel() < DENSE_EXPERT_PAIRS * experts:
-            from dsv4.ops.triton import moe_experts
+        if self.grouped is not None and x.dtype == torch.bfloat16:
+            from dsv4.ops.triton import moe_experts, moe_experts_dense
 
-            routed = moe_experts(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41)
+            dense = indices.numel() >= DENSE_EXPERT_PAIRS * experts and self.dense_fits
+            grouped = moe_experts_dense if dense else moe_experts
+            routed = grouped(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41)
         else:
             routed = moe_ops.experts_forward(x, weights, indices, *self._unstacked(), cfg.swiglu_limit, self.v41)
         if self.shared_in_grouped:

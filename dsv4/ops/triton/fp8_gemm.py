@@ -404,16 +404,19 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
                     QROWS: tl.constexpr, QCOLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PTX: tl.constexpr):
-    """out [BLOCK_R, BLOCK_C] tile = w * 2**(s - 127), one scale per QROWS x QCOLS weights."""
+    """out [BLOCK_R, BLOCK_C] tile = w * 2**(s - 127), one scale per QROWS x QCOLS weights: the
+    tile is loaded whole (coalesced rows) and viewed as BLOCK_R * BLOCK_C / QCOLS rows of QCOLS
+    for `dequant_rows`."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pieces = tl.program_id(1) * (BLOCK_C // QCOLS) + tl.arange(0, BLOCK_C // QCOLS)
     r_ok = rows < N
-    for c0 in tl.static_range(0, BLOCK_C, QCOLS):
-        cols = tl.program_id(1) * BLOCK_C + c0 + tl.arange(0, QCOLS)
-        ok = r_ok[:, None] & (cols < K)[None, :]
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :], mask=ok, other=0.0)
-        col = tl.minimum((tl.program_id(1) * BLOCK_C + c0) // QCOLS, (K - 1) // QCOLS)  # a piece past K stores nothing
-        s = tl.load(s_ptr + (rows // QROWS) * stride_sn + col, mask=r_ok, other=127)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], dequant_rows(w, s, PTX), mask=ok)
+    ok = r_ok[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :], mask=ok, other=0.0)
+    # a piece past K stores nothing: any scale will do
+    s = tl.load(s_ptr + (rows // QROWS)[:, None] * stride_sn + tl.minimum(pieces, (K - 1) // QCOLS)[None, :], mask=r_ok[:, None], other=127)
+    out = dequant_rows(tl.reshape(w, (BLOCK_R * (BLOCK_C // QCOLS), QCOLS)), tl.reshape(s, (BLOCK_R * (BLOCK_C // QCOLS),)), PTX)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], tl.reshape(out, (BLOCK_R, BLOCK_C)), mask=ok)
 
 
 def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bool) -> torch.Tensor:
@@ -427,10 +430,10 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bo
     if tuple(scale.shape) != (triton.cdiv(n, qrows), triton.cdiv(k, qcols)) or w.dtype != torch.float8_e4m3fn:
         raise ValueError(f"dequant_fp8: weight float8_e4m3fn {[n, k]} needs scales {[triton.cdiv(n, qrows), triton.cdiv(k, qcols)]}, got {w.dtype} {list(scale.shape)}")
     out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
-    block_c = max(qcols, 128)
+    block_c = max(qcols, 256)
     _dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_c))](
         w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0),
-        QROWS=qrows, QCOLS=qcols, BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=4,
+        QROWS=qrows, QCOLS=qcols, BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=8,
     )
     return out
 

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import _E4M3_TO_BF16_PTX, dequant_rows, ptx_convert, wgmma_tile_error
+from dsv4.ops.triton.fp8_gemm import _E4M3_TO_BF16_PTX, dequant_fp8, dequant_rows, ptx_convert, wgmma_tile_error
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
 _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads constexpr globals only)
@@ -107,6 +107,10 @@ MOE = {
     "ALIGN_MAX_PAIRS": 4096,
     "PAIR_TILES_MAX_PAIRS": 8,
     "DEQUANT": "words",
+    # moe_experts_dense: the largest bf16 copy of a layer's experts it makes (gate + up; the
+    # 64-expert benchmark layer's is 3 GB, V4.1-Flash's 384 + 1 experts' 18 GB); layers with
+    # more experts take the grouped kernels at any load
+    "DENSE_TEMP_BYTES": 8 << 30,
 }
 
 
@@ -189,6 +193,30 @@ def _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T: tl.constexpr
     return e, pair
 
 
+@triton.jit
+def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """The clamped SwiGLU of bf16 gate / up in fp32 (`ops.moe.swiglu`)."""
+    gate, up = gate.to(tl.float32), up.to(tl.float32)
+    if HAS_LIMIT:
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        gate = tl.minimum(gate, limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _swiglu_rows_kernel(h_ptr, rw_ptr, act_ptr, P, I, stride_h, stride_act, limit,
+                        HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
+    """act [P, I] bf16 = swiglu(h[:, :I], h[:, I:]) (* rw per row): the dense path's epilogue."""
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    ok = (rows < P)[:, None] & (cols < I)[None, :]
+    base = h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :]
+    act = _swiglu(tl.load(base, mask=ok, other=0.0), tl.load(base + I, mask=ok, other=0.0), limit, HAS_LIMIT)
+    if WEIGHTED:
+        act = act * tl.load(rw_ptr + rows, mask=rows < P, other=0.0)[:, None]
+    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act.to(tl.bfloat16), mask=ok)
+
+
 @triton.jit(do_not_specialize=["n_pairs", "n_experts"])
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, rows_ptr, tile_expert_ptr, rw_ptr, act_ptr,
@@ -254,12 +282,7 @@ def _gate_up_kernel(
                 wu = dequant_rows(wu, tl.load(up_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0), PTX)
             acc_gate = tl.dot(wg, tl.trans(x), acc_gate)
             acc_up = tl.dot(wu, tl.trans(x), acc_up)
-    gate = acc_gate.to(tl.bfloat16).to(tl.float32)
-    up = acc_up.to(tl.bfloat16).to(tl.float32)
-    if HAS_LIMIT:
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        gate = tl.minimum(gate, limit)
-    act = gate * tl.sigmoid(gate) * up
+    act = _swiglu(acc_gate.to(tl.bfloat16), acc_up.to(tl.bfloat16), limit, HAS_LIMIT)
     if WEIGHT_BEFORE_DOWN:
         act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[None, :]
     tl.store(act_ptr + offs.to(tl.int64)[None, :] * stride_act + rn[:, None], act.to(tl.bfloat16), mask=n_ok[:, None] & valid[None, :])
@@ -380,6 +403,73 @@ def align_by_expert(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
     return rows, tile_expert
 
 
+def _slot_sums(y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, D]: the sum of each token's k rows of y (bf16 [T * k, D], row = token * k +
+    slot) in ascending expert id (kernel 3)."""
+    t, topk = ids.shape
+    d = y.shape[1]
+    out = torch.empty(t, d, dtype=torch.float32, device=y.device)
+    _sum_slots_kernel[(t, triton.cdiv(d, 1024))](y, ids, out, d, TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, num_warps=4)
+    return out
+
+
+def dense_fits(w13: torch.Tensor) -> bool:
+    """Whether `moe_experts_dense` may run a layer's stacked experts: their bf16 copy (gate and
+    up; the down copy is half of it and made after the first is freed) within
+    `MOE["DENSE_TEMP_BYTES"]`."""
+    return w13.numel() * 2 <= MOE["DENSE_TEMP_BYTES"]
+
+
+def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                      w2: torch.Tensor, w2_scale: torch.Tensor, limit: float, weight_before_down: bool) -> torch.Tensor:
+    """`moe_experts` for compute-bound loads (prefill): the same arguments, semantics and fp32
+    result, by bf16 grouped GEMMs (`torch._grouped_mm`, CUTLASS on sm_90: 87% of the bf16
+    peak at 8K tokens on 65 experts, device run 2) over the experts dequantised exactly to
+    bf16 (`fp8_gemm.dequant_fp8`, one pass; FP8 codes times power-of-two scales are exact in
+    bf16), instead of the weight-only kernels, which re-read and re-dequantise an expert's
+    weights for every tile of pairs and reach ~38% of the peak there.
+
+    The pairs sorted by expert (stable: tokens ascending) form the groups; gate and up come
+    out of one GEMM in bf16 (as the reference's linears round them), the clamped SwiGLU and
+    the routing weight run in fp32 in one kernel and round to bf16, the down GEMM gives a bf16
+    row per pair, and kernel 3 sums a token's rows in ascending expert id in fp32. Nothing
+    syncs with the host (CUDA-graph capturable). The experts must fit `dense_fits`."""
+    t, topk = topk_ids.shape
+    n_experts, two_i, d = w13.shape
+    inter = two_i // 2
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn or x.dtype != torch.bfloat16:
+        raise TypeError("moe_experts_dense: expert weights must be float8_e4m3fn and x bfloat16")
+    if tuple(w2.shape) != (n_experts, d, inter) or x.shape != (t, d) or not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError(f"moe_experts_dense: shapes x {list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)} do not match (contiguous stacks)")
+    if not dense_fits(w13):
+        raise ValueError(f"moe_experts_dense: {n_experts} experts need {w13.numel() * 2 >> 20} MiB of bf16 copies, over MOE['DENSE_TEMP_BYTES']")
+    n_pairs = t * topk
+    if n_pairs == 0:
+        return torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)  # (bincount would read its size back from the device)
+    g13 = dequant_fp8(w13.view(-1, d), w13_scale.reshape(-1, d // SCALE_BLOCK), 0, True).view(n_experts, two_i, d)
+    h = torch._grouped_mm(x[order // topk], g13.transpose(1, 2), offs=offs)
+    del g13
+    rw = topk_weights.reshape(-1).float()[order].contiguous()
+    act = torch.empty(n_pairs, inter, dtype=torch.bfloat16, device=x.device)
+    block_p, block_i = 32, 128
+    _swiglu_rows_kernel[(triton.cdiv(n_pairs, block_p), triton.cdiv(inter, block_i))](
+        h, rw, act, n_pairs, inter, h.stride(0), act.stride(0), float(limit),
+        HAS_LIMIT=limit > 0, WEIGHTED=weight_before_down, BLOCK_P=block_p, BLOCK_I=block_i, num_warps=4,
+    )
+    del h
+    g2 = dequant_fp8(w2.view(-1, inter), w2_scale.reshape(-1, inter // SCALE_BLOCK), 0, True).view(n_experts, d, inter)
+    down = torch._grouped_mm(act, g2.transpose(1, 2), offs=offs)
+    if not weight_before_down:
+        down = (down.float() * rw[:, None]).bfloat16()
+    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
+    y[order] = down
+    return _slot_sums(y, topk_ids.contiguous())
+
+
 def _words(ptx: bool, w: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
     """Whether a GEMM reads its FP8 weights as int32 words (`MOE["DEQUANT"]`): compiled PTX,
     inputs in whole 128s (one scale word per row and 128 inputs), K steps inside one word, and
@@ -457,6 +547,4 @@ def moe_experts(
         WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles,
         num_warps=dn["num_warps"], num_stages=dn["num_stages"],
     )
-    out = torch.empty(t, d, dtype=torch.float32, device=x.device)
-    _sum_slots_kernel[(t, triton.cdiv(d, 1024))](y, ids, out, d, TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, num_warps=4)
-    return out
+    return _slot_sums(y, ids)
