@@ -129,7 +129,7 @@ class Model:
             if batch.trace is not None or batch.capture is not None:
                 raise ValueError("trace / capture record the reference path's selections: build the model with fast_path=False")
             return self.forward_step(build_step(batch, self.cfg, cache.block_size, self.device), cache)
-        req = torch.repeat_interleave(torch.arange(batch.num_requests), torch.tensor(batch.num_tokens)).to(batch.input_ids.device)
+        req = torch.repeat_interleave(torch.arange(batch.num_requests), torch.tensor(batch.num_tokens), output_size=sum(batch.num_tokens)).to(batch.input_ids.device)
         local = torch.arange(batch.input_ids.shape[0], device=req.device) - torch.tensor(batch.offsets[:-1], device=req.device)[req]
         return self._run(batch.input_ids, req, local, batch.positions, batch.prev_tokens, _ReferenceRows(batch, cache), batch.trace, batch.capture)
 

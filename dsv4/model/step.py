@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from dsv4.config import ModelConfig
@@ -115,7 +116,8 @@ class Step:
 def _rows(starts: list[int], counts: list[int], floors: list[int], write: list[bool]) -> Rows:
     start, count = torch.tensor(starts, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
     row0 = torch.cumsum(count, 0) - count
-    req = torch.repeat_interleave(torch.arange(len(counts)), count)
+    # numpy: torch's CPU repeat_interleave took 1-5 ms at 256 requests (most of a step's host time)
+    req = torch.from_numpy(np.repeat(np.arange(len(counts), dtype=np.int64), counts))
     local = torch.arange(req.numel()) - row0[req]
     return Rows(
         req=req.int(), positions=start[req] + local, local=local, write=torch.tensor(write, dtype=torch.bool)[req],
