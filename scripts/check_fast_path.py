@@ -47,7 +47,9 @@ from dsv4.ops.triton import fp8_gemm
 from dsv4.ops.triton import indexer as t_indexer
 from dsv4.ops.triton import kv as t_kv
 from dsv4.ops.triton import mhc as t_mhc
+from dsv4.ops.triton import router as t_router
 from dsv4.ops.triton import rowwise as t_rowwise
+from dsv4.ops import moe as moe_ops
 
 # Largest accepted error (relative to the reference's largest magnitude), 0 = bit-exact.
 TOLERANCE = {
@@ -59,6 +61,7 @@ TOLERANCE = {
     "hash_ids": 0.0, "lookup": 0.0, "gate": 1e-2,
     # compact FP8 weights only run on the GPU (CPU runs load dequantised weights)
     "fp8_linear_w8a16": 1e-2, "moe_experts": 2e-2, "moe_experts_dense": 2e-2,
+    "route_scores": 1e-6,  # the same experts (else inf); weights to fp32 rounding
 }
 
 
@@ -151,6 +154,8 @@ def install(checker: Checker) -> None:
     c.wrap(triton_ops, "fp8_linear_w8a16", _w8a16_reference)
     c.wrap(triton_ops, "moe_experts", _moe_reference)
     c.wrap(triton_ops, "moe_experts_dense", _moe_reference)
+    c.wrap(t_router, "route_scores", moe_ops.route_scores,
+           lambda o, r, *a: _rel(o[0], r[0]) if torch.equal(o[1].cpu(), r[1].cpu()) else float("inf"))
 
 
 def _w8a16_reference(x, w, s, block, groups=1):

@@ -61,6 +61,7 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "fp8_linear": 0.3,
     "moe": 0.2,
     "moe_prefill": 0.1,
+    "router": 0.05,
     "attention": 0.15,
     "invariance": 0.15,
     "attention_sweep": 0.15,
@@ -334,6 +335,36 @@ def section_moe_prefill() -> None:
     guarded("moe_prefill", "parts", moe_prefill_parts, data)
     for t in (4096, 8192):
         guarded("moe_prefill", f"tiles T={t}", moe_prefill_tiles, t, data)
+
+
+def router_case(t: int, e: int) -> None:
+    """The fused router epilogue against its torch code (`ops.moe.route_scores` under
+    torch_only), both replayed from CUDA graphs (in a decode step they are launch bound)."""
+    import dsv4.ops
+    from dsv4.ops import moe as moe_ops
+    from dsv4.ops.triton import router
+
+    g = torch.Generator(device="cuda").manual_seed(t + e)
+    logits = torch.randn(t, e, device="cuda", generator=g) * 3
+    bias = torch.randn(e, device="cuda", generator=g) * 0.1
+    args = (logits, bias, 6, 1.5, 2.5, True, e)
+    def torch_call():
+        with dsv4.ops.torch_only():
+            return moe_ops.route_scores(*args)
+
+    w, ids = router.route_scores(*args)
+    rw, rids = torch_call()
+    same = torch.equal(ids, rids)
+    err = rel_err(w, rw)
+    case = f"T={t} E={e} k=6+1"
+    record("router", case, "triton_graph", ok=same and err <= 1e-6, same_ids=same, err=err, **perf(graph_time([lambda: router.route_scores(*args)]), t * e * 4, 0, "bf16"))
+    record("router", case, "torch_graph", **perf(graph_time([torch_call]), t * e * 4, 0, "bf16"))
+
+
+def section_router() -> None:
+    for e in (64, 384):
+        for t in (1, 64, 256, 4096):
+            guarded("router", f"T={t} E={e}", router_case, t, e)
 
 
 # Grouped-kernel tilings tried at prefill sizes: (BLOCK_T, gate_up (BLOCK_N, BLOCK_K, warps,

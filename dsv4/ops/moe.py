@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.ops import elementwise
+from dsv4.ops import elementwise, on_triton
 
 
 def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
@@ -26,6 +26,24 @@ def route(scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, fixed: to
     if normalize and indices.shape[1] > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scale, indices
+
+
+def route_scores(logits: torch.Tensor, bias: torch.Tensor, top_k: int, temp: float, routed_scale: float, normalize: bool,
+                 extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4.1's learned routing from the gate GEMM's fp32 logits [T, E] -> (weights fp32, ids
+    int64), [T, k] or with `extra_expert` appended to every token at weight 1, [T, k + 1]:
+    scores sqrtsoftplus(logits / temp), selection by `route`. One Triton kernel on the GPU
+    (`dsv4.ops.triton.router`)."""
+    if on_triton(logits):
+        from dsv4.ops.triton import router
+
+        return router.route_scores(logits, bias, top_k, temp, routed_scale, normalize, extra_expert)
+    weights, indices = route(sqrtsoftplus(logits / temp), bias, top_k, None, routed_scale, normalize)
+    weights = weights.float()
+    if extra_expert is not None:
+        indices = torch.cat([indices, torch.full_like(indices[:, :1], extra_expert)], dim=1)
+        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+    return weights, indices
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -722,3 +722,36 @@ def test_moe_experts_dense_rejects_bad_inputs(monkeypatch):
     assert not moe.dense_fits(w13)
     with pytest.raises(ValueError, match="DENSE_TEMP_BYTES"):
         moe.moe_experts_dense(x, ids, weights, w13, s13, w2, s2, 10.0, True)
+
+
+# ----------------------------------------------------------------------------------- router
+
+
+@pytest.mark.parametrize("t,e,k,normalize,extra", [(5, 64, 6, True, 64), (3, 384, 6, True, None), (4, 8, 1, False, None), (2, 20, 3, False, 20)])
+def test_route_scores_matches_reference(t, e, k, normalize, extra):
+    from dsv4.ops import moe as moe_ops
+    from dsv4.ops.triton import router
+
+    g = _gen(t * e + k)
+    logits = torch.randn(t, e, generator=g) * 3
+    logits[0, :4] = torch.tensor([25.0, -30.0, 21.0, 19.5])  # softplus's linear branch and its small tail
+    bias = torch.randn(e, generator=g) * 0.1
+    want_w, want_ids = moe_ops.route_scores(logits, bias, k, 1.7, 2.5, normalize, extra)
+    got_w, got_ids = router.route_scores(logits.to(DEVICE), bias.to(DEVICE), k, 1.7, 2.5, normalize, extra)
+    width = k + (extra is not None)
+    assert got_w.shape == got_ids.shape == (t, width) and got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    # the same experts in the same (descending) order; weights to fp32 rounding
+    assert torch.equal(got_ids.cpu(), want_ids)
+    assert torch.allclose(got_w.cpu(), want_w, rtol=4e-7, atol=0)
+
+
+def test_route_scores_breaks_ties_by_lowest_id_and_rejects_bad_inputs():
+    from dsv4.ops.triton import router
+
+    logits = torch.zeros(2, 8)
+    w, ids = router.route_scores(logits.to(DEVICE), torch.zeros(8, device=DEVICE), 3, 1.0, 1.0, True)
+    assert ids.cpu().tolist() == [[0, 1, 2], [0, 1, 2]] and torch.allclose(w.cpu(), torch.full((2, 3), 1 / 3))
+    with pytest.raises(ValueError, match="top_k"):
+        router.route_scores(logits.to(DEVICE), torch.zeros(8, device=DEVICE), 9, 1.0, 1.0, True)
+    with pytest.raises(ValueError, match="fp32"):
+        router.route_scores(logits.bfloat16().to(DEVICE), torch.zeros(8, device=DEVICE), 2, 1.0, 1.0, True)

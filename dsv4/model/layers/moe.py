@@ -39,6 +39,8 @@ class MoE:
         if self.v41:  # the router runs in fp32: convert once, not per call
             self.gate = self.gate.float()
         self.bias = w.get(prefix + "gate.bias")
+        if hash_moe and self.v41:
+            raise ValueError(f"{prefix}: V4.1 has no hash-routed MoE layers (num_hash_layers must be 0)")
         self.tid2eid = w[prefix + "gate.tid2eid"].long() if hash_moe else None
 
         def lin(name, row_scales=False):
@@ -83,19 +85,19 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, trace: dict | None = None, tag: str = "") -> torch.Tensor:
         cfg = self.cfg
-        if self.v41:
-            scores = moe_ops.sqrtsoftplus(linear(x.float(), self.gate) / cfg.gate_temp)
+        if self.v41:  # learned routing only; the shared expert joins as the last slot when it is in the stack
+            shared_id = self.grouped[0].shape[0] - 1 if self.shared_in_grouped else None
+            weights, indices = moe_ops.route_scores(linear(x.float(), self.gate), self.bias, self.top_k, cfg.gate_temp,
+                                                    cfg.routed_scaling_factor, cfg.norm_topk_prob, shared_id)
+            if trace is not None:
+                trace.setdefault(f"{tag}.experts", []).append(indices[:, : self.top_k].sort(dim=-1).values)
         else:
             scores = moe_ops.sqrtsoftplus(linear(x, self.gate.to(x.dtype)))
-        fixed = self.tid2eid[input_ids] if self.tid2eid is not None else None
-        weights, indices = moe_ops.route(scores, self.bias, self.top_k, fixed, cfg.routed_scaling_factor, cfg.norm_topk_prob)
-        if trace is not None and fixed is None:
-            trace.setdefault(f"{tag}.experts", []).append(indices.sort(dim=-1).values)
-        weights = weights.float()
-        if self.shared_in_grouped:  # the shared expert: the last expert, weight 1, for every token
-            shared_id = self.grouped[0].shape[0] - 1
-            indices = torch.cat([indices, torch.full_like(indices[:, :1], shared_id)], dim=1)
-            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+            fixed = self.tid2eid[input_ids] if self.tid2eid is not None else None
+            weights, indices = moe_ops.route(scores, self.bias, self.top_k, fixed, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+            if trace is not None and fixed is None:
+                trace.setdefault(f"{tag}.experts", []).append(indices.sort(dim=-1).values)
+            weights = weights.float()
         experts = self.grouped[0].shape[0] if self.grouped is not None else len(self.experts[0])
         if self.grouped is not None and x.dtype == torch.bfloat16:
             from dsv4.ops.triton import moe_experts, moe_experts_dense
