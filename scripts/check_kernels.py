@@ -472,6 +472,21 @@ MOE_TILES = {
 SWEEP_RESULTS: list[dict] = []  # every candidate's outcome, for the suggested knobs
 
 
+def join_workers(workers: list, deadline: float, least: float) -> list[str]:
+    """Wait for compile warm-up processes until `deadline` (each gets at least `least` s; late
+    ones are killed) -> a line per failed worker."""
+    failed = []
+    for i, proc in enumerate(workers):
+        try:
+            err = proc.communicate(timeout=max(least, deadline - time.time()))[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = proc.communicate()[1] + "\n(timed out)"
+        if proc.returncode:
+            failed.append(f"worker {i}: exit {proc.returncode}: {err[-600:]}")
+    return failed
+
+
 def graph_time(calls: list, reps: int = 10) -> float:
     """Median seconds per call of `calls`, run in turn, replayed from one CUDA graph."""
     for call in calls:
@@ -825,15 +840,7 @@ def section_gemm_sweep() -> None:
     start = time.time()
     code = f"import sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); import check_kernels as ck; ck.sweep_warm(int(sys.argv[1]), {SWEEP_WORKERS})"
     workers = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(SWEEP_WORKERS)]
-    failed = []
-    for i, proc in enumerate(workers):
-        try:
-            err = proc.communicate(timeout=max(10.0, 240 - (time.time() - start)))[1]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            err = proc.communicate()[1] + "\n(timed out)"
-        if proc.returncode:
-            failed.append(f"worker {i}: exit {proc.returncode}: {err[-600:]}")
+    failed = join_workers(workers, start + 240, 10.0)
     record("gemm_sweep", "compile warm-up", f"{SWEEP_WORKERS} workers, {time.time() - start:.0f} s, {len(failed)} failed", failed=failed)
     for name, n, k, block in PROJECTIONS:
         guarded("gemm_sweep", f"w8a16 {name}", sweep_w8a16_shape, name, n, k, block)
@@ -1114,15 +1121,7 @@ def section_attention_sweep() -> None:
     deadline = start + ATTN_SWEEP_SECONDS
     code = f"import sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); import check_kernels as ck; ck.attention_sweep_warm(int(sys.argv[1]), {ATTN_SWEEP_WORKERS})"
     workers = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(ATTN_SWEEP_WORKERS)]
-    failed = []
-    for i, proc in enumerate(workers):
-        try:
-            err = proc.communicate(timeout=max(5.0, 0.6 * ATTN_SWEEP_SECONDS - (time.time() - start)))[1]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            err = proc.communicate()[1] + "\n(timed out)"
-        if proc.returncode:
-            failed.append(f"worker {i}: exit {proc.returncode}: {err[-600:]}")
+    failed = join_workers(workers, start + 0.6 * ATTN_SWEEP_SECONDS, 5.0)
     record("attention_sweep", "compile warm-up", f"{ATTN_SWEEP_WORKERS} workers, {len(attention_sweep_jobs())} kernel pairs, {time.time() - start:.0f} s, {len(failed)} failed", failed=failed)
     for t in ATTN_SWEEP_ROWS:
         guarded("attention_sweep", f"T={t}", attention_sweep_shape, t, deadline)

@@ -46,6 +46,18 @@ def _capture(body, device: torch.device, pool):
     return graph, out
 
 
+def _padding_step(model: Model, cache: KVCacheStorage, max_blocks: int, requests: int, **padding) -> Step:
+    """A step of `requests` padding requests only (they write nothing; `build_step`'s padding
+    arguments give their rows) on the model's device: what a graph is captured on."""
+    look_back = max(model.cfg.engram_max_ngram_size - 1, 1)
+    empty = ForwardBatch(
+        input_ids=torch.zeros(0, dtype=torch.long), positions=torch.zeros(0, dtype=torch.long),
+        start_pos=[], num_tokens=[], slots=[], block_tables=torch.zeros(0, max_blocks, dtype=torch.long),
+        prev_tokens=torch.zeros(0, look_back, dtype=torch.long),
+    )
+    return build_step(empty, model.cfg, cache.block_size, model.device, pad_requests=requests, max_blocks=max_blocks, **padding)
+
+
 class DecodeGraphs:
     """Runs decode-shaped batches (`fits`) of up to max(sizes) requests with `rows` rows each.
     The logits a call returns live in the captured output: read them before the next call."""
@@ -111,20 +123,9 @@ class DecodeGraphs:
     def _body(self, step: Step) -> torch.Tensor:
         return self.model.logits(self.model.forward_step(step, self.cache))
 
-    def _static_step(self, size: int) -> Step:
-        """A step of `size` padding requests (writes nothing) with the captured shapes."""
-        cfg, device = self.model.cfg, self.model.device
-        look_back = max(cfg.engram_max_ngram_size - 1, 1)
-        empty = ForwardBatch(
-            input_ids=torch.zeros(0, dtype=torch.long, device=device), positions=torch.zeros(0, dtype=torch.long, device=device),
-            start_pos=[], num_tokens=[], slots=[], block_tables=torch.zeros(0, self.max_blocks, dtype=torch.long, device=device),
-            prev_tokens=torch.zeros(0, look_back, dtype=torch.long, device=device),
-        )
-        return build_step(empty, cfg, self.cache.block_size, device, pad_requests=size, pad_rows=self.rows, max_blocks=self.max_blocks)
-
     def _entry(self, size: int) -> tuple[Step, torch.cuda.CUDAGraph, torch.Tensor]:
         if size not in self._steps:
-            step = self._static_step(size)
+            step = _padding_step(self.model, self.cache, self.max_blocks, size, pad_rows=self.rows)
             graph, out = _capture(lambda: self._body(step), self.model.device, self._pool)
             self._steps[size] = (step, graph, out)
         return self._steps[size]
@@ -264,20 +265,12 @@ class PiecewiseGraphs:
 
     def _static(self, requests: int, rows: int, dec_rows: int, logits: int) -> Step:
         """A step of padding requests only (writes nothing) with the given shapes."""
-        cfg, device = self.model.cfg, self.model.device
-        look_back = max(cfg.engram_max_ngram_size - 1, 1)
-        empty = ForwardBatch(
-            input_ids=torch.zeros(0, dtype=torch.long), positions=torch.zeros(0, dtype=torch.long),
-            start_pos=[], num_tokens=[], slots=[], block_tables=torch.zeros(0, self.max_blocks, dtype=torch.long),
-            prev_tokens=torch.zeros(0, look_back, dtype=torch.long),
-        )
         pad_rows = _spread(rows, requests)
         pad_dec = _spread(dec_rows, requests, pad_rows)
-        step = build_step(empty, cfg, self.cache.block_size, device, pad_requests=requests, pad_rows=pad_rows, pad_dec_rows=pad_dec,
-                          pad_logits=_spread(logits, requests, pad_dec) if logits >= requests else [1] * logits + [0] * (requests - logits),
-                          max_blocks=self.max_blocks)
+        pad_logits = _spread(logits, requests, pad_dec) if logits >= requests else [1] * logits + [0] * (requests - logits)
+        step = _padding_step(self.model, self.cache, self.max_blocks, requests, pad_rows=pad_rows, pad_dec_rows=pad_dec, pad_logits=pad_logits)
         if step.dec_keep is None:
-            step.dec_keep = torch.arange(step.dec.num_rows, device=device)
+            step.dec_keep = torch.arange(step.dec.num_rows, device=self.model.device)
         return step
 
     def _store(self, carry: Carry) -> None:
