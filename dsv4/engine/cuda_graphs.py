@@ -25,13 +25,13 @@ import torch
 from dsv4.cache.storage import KVCacheStorage
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.model import Carry, Model
-from dsv4.model.step import Step, build_step
+from dsv4.model.step import Step, StepBuffer, build_step
 
 # Batch-size buckets (vLLM's default capture sizes up to 256, in steps of 8 beyond 8).
 DEFAULT_SIZES = (1, 2, 4, 8, *range(16, 257, 8))
 
 
-def _capture(body, device: torch.device, pool):
+def _record(body, device: torch.device, pool):
     """Warm `body` up outside a graph (Triton compiles, cuBLAS picks its kernels) on a side
     stream, as capture requires, then capture it into `pool` -> (graph, body's output)."""
     side = torch.cuda.Stream(device)
@@ -44,6 +44,16 @@ def _capture(body, device: torch.device, pool):
     with torch.cuda.graph(graph, pool=pool):
         out = body()
     return graph, out
+
+
+def _capture(step: Step, body, device: torch.device, pool, names: tuple[str, ...] | None = None):
+    """Capture `body(step)` for replays on any step of its shapes (both graph kinds capture
+    this way): the step's inputs — the fields in `names` (default all), which must be every
+    field `body` reads — move into one `StepBuffer` -> (inputs, graph, body's output). Before
+    each replay, `inputs.load(host step)` refills all of them with one copy."""
+    inputs = StepBuffer(step, names)
+    graph, out = _record(lambda: body(inputs.step), device, pool)
+    return inputs, graph, out
 
 
 def _padding_step(model: Model, cache: KVCacheStorage, max_blocks: int, requests: int, **padding) -> Step:
@@ -74,7 +84,7 @@ class DecodeGraphs:
         self.use_graphs = model.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and model.device.type != "cuda":
             raise ValueError("use_graphs: CUDA graphs need a CUDA model")
-        self._steps: dict[int, tuple[Step, torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> captured
+        self._steps: dict[int, tuple[StepBuffer, torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> captured
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.host_ms = 0.0
 
@@ -110,11 +120,11 @@ class DecodeGraphs:
         size = self.bucket(n)
         started = time.perf_counter()
         fresh = build_step(batch, self.model.cfg, self.cache.block_size, "cpu" if self.use_graphs else self.model.device,
-                           pad_requests=size - n, pad_rows=self.rows, max_blocks=self.max_blocks, pinned=self.use_graphs)
+                           pad_requests=size - n, pad_rows=self.rows, max_blocks=self.max_blocks)
         if not self.use_graphs:
             return self._body(fresh)[: n * self.rows]
-        step, graph, out = self._entry(size)
-        step.copy_(fresh)
+        inputs, graph, out = self._entry(size)
+        inputs.load(fresh)
         self.host_ms = (time.perf_counter() - started) * 1e3  # the host's share of a step (benchmarks report it)
         graph.replay()
         return out[: n * self.rows]
@@ -123,11 +133,10 @@ class DecodeGraphs:
     def _body(self, step: Step) -> torch.Tensor:
         return self.model.logits(self.model.forward_step(step, self.cache))
 
-    def _entry(self, size: int) -> tuple[Step, torch.cuda.CUDAGraph, torch.Tensor]:
+    def _entry(self, size: int) -> tuple[StepBuffer, torch.cuda.CUDAGraph, torch.Tensor]:
         if size not in self._steps:
             step = _padding_step(self.model, self.cache, self.max_blocks, size, pad_rows=self.rows)
-            graph, out = _capture(lambda: self._body(step), self.model.device, self._pool)
-            self._steps[size] = (step, graph, out)
+            self._steps[size] = _capture(step, self._body, self.model.device, self._pool)
         return self._steps[size]
 
 
@@ -135,7 +144,7 @@ class DecodeGraphs:
 # then 128 up to 2K, 512 up to 8K, 2K up to 32K (a padded step wastes at most ~6-12%).
 ROW_SIZES = tuple(sorted({*range(16, 257, 16), *range(384, 2049, 128), *range(2560, 8193, 512), *range(10240, 32769, 2048)}))
 REQUEST_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# The fields of a step each piece reads (`Step.copy_` refills only those).
+# The fields of a step each piece reads (its `StepBuffer` holds and refills only those).
 ENCODER_FIELDS = ("input_ids", "prev_tokens", "block_tables", "slots", "emit_from", "enc")
 DECODER_FIELDS = ("block_tables", "slots", "dec", "dec_keep", "logits_index")
 
@@ -184,8 +193,8 @@ class PiecewiseGraphs:
         self.use_graphs = model.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and model.device.type != "cuda":
             raise ValueError("use_graphs: CUDA graphs need a CUDA model")
-        self._encoders: dict[tuple[int, int], tuple[Step, torch.cuda.CUDAGraph | None]] = {}  # (requests, rows)
-        self._decoders: dict[tuple[int, int, int], tuple[Step, torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}  # (requests, rows, logits)
+        self._encoders: dict[tuple[int, int], tuple[StepBuffer, torch.cuda.CUDAGraph]] = {}  # (requests, rows)
+        self._decoders: dict[tuple[int, int, int], tuple[StepBuffer, torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (requests, rows, logits)
         self._buffers: Carry | None = None
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.host_ms = 0.0
@@ -235,10 +244,10 @@ class PiecewiseGraphs:
         if not self.use_graphs:
             self._store(self.model.encode_step(fresh, self.cache))
             return self.model.logits(self.model.decode_step(self._buffers, fresh, self.cache))[:logits]
-        enc_step, enc_graph = self._encoder(plan["requests"], plan["rows"])
-        dec_step, dec_graph, out = self._decoder(plan["requests"], plan["dec_rows"], plan["logits"])
-        enc_step.copy_(fresh, ENCODER_FIELDS)
-        dec_step.copy_(fresh, DECODER_FIELDS)
+        enc_inputs, enc_graph = self._encoder(plan["requests"], plan["rows"])
+        dec_inputs, dec_graph, out = self._decoder(plan["requests"], plan["dec_rows"], plan["logits"])
+        enc_inputs.load(fresh)
+        dec_inputs.load(fresh)
         self.host_ms = (time.perf_counter() - started) * 1e3
         enc_graph.replay()
         dec_graph.replay()
@@ -256,11 +265,9 @@ class PiecewiseGraphs:
     # ------------------------------------------------------------------------- internals
     def _step(self, batch: ForwardBatch, plan: dict, device) -> Step:
         step = build_step(batch, self.model.cfg, self.cache.block_size, device, pad_requests=len(plan["pad_rows"]),
-                          pad_rows=plan["pad_rows"], pad_dec_rows=plan["pad_dec_rows"], pad_logits=1, max_blocks=self.max_blocks,
-                          pinned=self.use_graphs)
+                          pad_rows=plan["pad_rows"], pad_dec_rows=plan["pad_dec_rows"], pad_logits=1, max_blocks=self.max_blocks)
         if step.dec_keep is None:  # the decoder gathers its rows from the carry buffers in every case
-            keep = torch.arange(step.dec.num_rows)
-            step.dec_keep = keep.pin_memory() if self.use_graphs else keep.to(step.slots.device)
+            step.dec_keep = torch.arange(step.dec.num_rows, device=step.slots.device)
         return step
 
     def _static(self, requests: int, rows: int, dec_rows: int, logits: int) -> Step:
@@ -296,9 +303,9 @@ class PiecewiseGraphs:
     def _encoder(self, requests: int, rows: int):
         key = (requests, rows)
         if key not in self._encoders:
-            step = self._static(requests, rows, rows, requests)
-            graph, _ = _capture(lambda: self._store(self.model.encode_step(step, self.cache)), self.model.device, self._pool)
-            self._encoders[key] = (step, graph)
+            encode = lambda step: self._store(self.model.encode_step(step, self.cache))
+            inputs, graph, _ = _capture(self._static(requests, rows, rows, requests), encode, self.model.device, self._pool, ENCODER_FIELDS)
+            self._encoders[key] = (inputs, graph)
         return self._encoders[key]
 
     def _decoder(self, requests: int, dec_rows: int, logits: int):
@@ -306,7 +313,6 @@ class PiecewiseGraphs:
         if key not in self._decoders:
             if self._buffers is None:
                 raise RuntimeError("PiecewiseGraphs: an encoder graph makes the carry buffers; capture one first")
-            step = self._static(requests, dec_rows, dec_rows, logits)
-            graph, out = _capture(lambda: self.model.logits(self.model.decode_step(self._buffers, step, self.cache)), self.model.device, self._pool)
-            self._decoders[key] = (step, graph, out)
+            decode = lambda step: self.model.logits(self.model.decode_step(self._buffers, step, self.cache))
+            self._decoders[key] = _capture(self._static(requests, dec_rows, dec_rows, logits), decode, self.model.device, self._pool, DECODER_FIELDS)
         return self._decoders[key]

@@ -9,13 +9,13 @@ can be captured once per batch size and replayed (dsv4.engine.cuda_graphs).
 
 `build_step` turns a ForwardBatch into a `Step`, optionally padded to more requests: padding
 requests have one row each at position 0, no blocks (block table row -1) and `write` False,
-so they read only their own row and write nothing. `Step.copy_` refills a captured step's
-tensors in place.
+so they read only their own row and write nothing. `StepBuffer` holds a captured step's
+tensors in one device buffer and refills them from a host-built step with one copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -78,39 +78,106 @@ class Step:
     def num_requests(self) -> int:
         return self.slots.shape[0]
 
-    def tensors(self) -> list[torch.Tensor]:
-        out = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Rows):
-                out += [getattr(value, g.name) for g in fields(value) if g.name != "memo"]
-            elif isinstance(value, torch.Tensor):
-                out.append(value)
-        return out
-
     def forget_derived(self) -> None:
         self.enc.memo.clear()
         self.dec.memo.clear()
 
-    def copy_(self, other: Step, names: tuple[str, ...] | None = None) -> None:
-        """Refill these tensors in place from a step of the same shapes (a captured graph's
-        inputs); `names`: only these fields (a piece of a forward that reads no others)."""
-        if other.widths != self.widths or (other.dec_keep is None) != (self.dec_keep is None):
-            raise ValueError("Step.copy_: the steps differ in structure")
+    def named_tensors(self, names: tuple[str, ...] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """(field[.row field], tensor) of the fields in `names` (default: all), in field order."""
+        out = []
         for f in fields(self):
+            value = getattr(self, f.name)
             if names is not None and f.name not in names:
                 continue
-            dst, src = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(dst, Rows):
-                pairs = [(getattr(dst, g.name), getattr(src, g.name)) for g in fields(dst) if g.name != "memo"]
-            elif isinstance(dst, torch.Tensor):
-                pairs = [(dst, src)]
-            else:
-                continue
-            for d, s in pairs:
-                if d.shape != s.shape:
-                    raise ValueError(f"Step.copy_: {f.name} shape {list(s.shape)} does not fit {list(d.shape)}")
-                d.copy_(s, non_blocking=True)
+            if isinstance(value, Rows):
+                out += [(f"{f.name}.{g.name}", getattr(value, g.name)) for g in fields(value) if g.name != "memo"]
+            elif isinstance(value, torch.Tensor):
+                out.append((f.name, value))
+        return out
+
+
+class StepBuffer:
+    """A captured step's inputs (the fields in `names`, default all) as views of one byte buffer
+    on the step's device, refilled from a host step of the same shapes by one copy through a
+    page-locked staging buffer (`load`) — not a pinned allocation and a copy per tensor, which
+    cost a decode step ~0.5 ms of host time. `step` is the re-homed step the graph captures.
+
+    Layout: each tensor in field order, at an offset rounded up to `_ALIGN` bytes (a multiple
+    of every element size: int64 views start on 8 bytes, and the vector loads of a kernel on
+    16). On CPU (tests: graphs need CUDA) the staging buffer is plain memory and the copy
+    synchronous; on CUDA it is pinned and the copy asynchronous on the buffer's device's
+    current stream, the stream the graph replays on."""
+
+    _ALIGN = 16
+
+    def __init__(self, step: Step, names: tuple[str, ...] | None = None):
+        self.names = names
+        held = step.named_tensors(names)
+        spans, total = [], 0
+        for label, t in held:
+            align = max(self._ALIGN, t.element_size())
+            total = -(-total // align) * align
+            spans.append((label, total, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
+            total += spans[-1][2]
+        self.spans, device = spans, step.slots.device
+        size = -(-max(total, 1) // self._ALIGN) * self._ALIGN
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        on_cuda = device.type == "cuda"
+        self.staging = torch.zeros(size, dtype=torch.uint8, pin_memory=on_cuda)
+        # recorded after each copy: until it completes, that copy may still read the staging buffer
+        self.copied = torch.cuda.Event() if on_cuda else None
+        views = {}
+        for (label, off, n, _, _), (_, t) in zip(spans, held):
+            views[label] = self._view(self.buffer, off, n, t)
+            views[label].copy_(t)
+        self.step = _with_tensors(step, views)
+        # numpy views of the staging buffer: filling them costs ~1 us a field, a torch copy ~10
+        self.host_views = [self._view(self.staging, off, n, t).numpy() for (_, off, n, _, _), (_, t) in zip(spans, held)]
+
+    @staticmethod
+    def _view(buf: torch.Tensor, offset: int, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        return buf[offset : offset + nbytes].view(like.dtype).view(like.shape)
+
+    def load(self, host: Step) -> None:
+        """Copy `host` (CPU tensors, the captured shapes and dtypes) into the step's tensors:
+        every held field, packed on the host, then one copy, ordered before whatever the
+        stream runs next (the replay). A step that does not match the captured one (more rows
+        or requests than the bucket, another field set or dtype) is refused before anything is
+        written: never truncated or cast."""
+        if host.widths != self.step.widths:
+            raise ValueError(f"StepBuffer.load: score-table widths {host.widths} differ from the captured {self.step.widths}")
+        sources = host.named_tensors(self.names)
+        labels = [label for label, *_ in self.spans]
+        if [label for label, _ in sources] != labels:
+            raise ValueError(f"StepBuffer.load: the step has fields {[label for label, _ in sources]}, the captured one {labels}")
+        for (label, _, _, dtype, shape), (_, src) in zip(self.spans, sources):
+            if tuple(src.shape) != shape:
+                raise ValueError(f"StepBuffer.load: {label} shape {list(src.shape)} does not fit the captured {list(shape)} (a bigger step needs a bigger bucket)")
+            if src.dtype != dtype or src.device.type != "cpu":
+                raise ValueError(f"StepBuffer.load: {label} is {src.dtype} on {src.device}, the captured one {dtype} (a CPU step is loaded)")
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous load's copy has read the staging buffer: refill it
+        for view, (_, src) in zip(self.host_views, sources):
+            view[...] = src.numpy()
+        self.buffer.copy_(self.staging, non_blocking=self.copied is not None)
+        if self.copied is not None:
+            # on the stream the copy ran on: the destination device's current one (which need
+            # not be the current device's, that a bare `record()` would use)
+            self.copied.record(torch.cuda.current_stream(self.buffer.device))
+
+
+def _with_tensors(step: Step, views: dict[str, torch.Tensor]) -> Step:
+    """`step` with the tensors named in `views` replaced (a new Step; Rows rebuilt)."""
+    changes = {}
+    for f in fields(step):
+        value = getattr(step, f.name)
+        if isinstance(value, Rows):
+            sub = {g.name: views[f"{f.name}.{g.name}"] for g in fields(value) if f"{f.name}.{g.name}" in views}
+            if sub:
+                changes[f.name] = replace(value, memo={}, **sub)
+        elif f.name in views:
+            changes[f.name] = views[f.name]
+    return replace(step, **changes)
 
 
 def _rows(starts: list[int], counts: list[int], floors: list[int], write: list[bool]) -> Rows:
@@ -127,14 +194,13 @@ def _rows(starts: list[int], counts: list[int], floors: list[int], write: list[b
 
 def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: torch.device | str, *, pad_requests: int = 0,
                pad_rows: int | list[int] = 1, pad_dec_rows: list[int] | None = None, pad_logits: int | list[int] | None = None,
-               max_blocks: int | None = None, pinned: bool = False) -> Step:
+               max_blocks: int | None = None) -> Step:
     """The fast path's view of `batch` on `device`. `pad_requests` appends padding requests
     (graph buckets) of `pad_rows` rows each (or one count per padding request), of which the
     last `pad_dec_rows` run the decoder (default: all) and the last `pad_logits` of those are
     logits rows (a count for all or one per padding request; default: all, decode buckets); `max_blocks` widens the block tables (and with
     them the indexer score tables) to a fixed capacity, so that steps of any context length
-    fit one captured shape. `pinned` (with a CPU device): page-locked host tensors, to be
-    copied into a CUDA step (`Step.copy_`) without a synchronous copy. Built from host data:
+    fit one captured shape (a graph's step is refilled from a CPU build: `StepBuffer`). Built from host data:
     give the batch CPU tensors, or its device tensors are read back (a synchronisation)."""
     device = torch.device(device)
     b, n_pad = batch.num_requests, pad_requests
@@ -192,7 +258,7 @@ def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: t
     def dev(t: torch.Tensor) -> torch.Tensor:
         if device.type == "cuda":
             return t.pin_memory().to(device, non_blocking=True)
-        return t.pin_memory() if pinned else t.to(device)
+        return t.to(device)
 
     def dev_rows(r: Rows) -> Rows:
         return Rows(**{f.name: dev(getattr(r, f.name)) for f in fields(r) if f.name != "memo"})

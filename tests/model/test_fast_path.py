@@ -18,7 +18,7 @@ from dsv4.engine.cuda_graphs import DecodeGraphs
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.llm import LLM
 from dsv4.model.batch import ForwardBatch
-from dsv4.model.step import build_step
+from dsv4.model.step import StepBuffer, build_step
 
 SHARED = Path(os.environ.get("DSV4_SHARED", Path(__file__).resolve().parents[2] / ".." / "shared"))
 FOLDER = SHARED / "golden" / "v41-tiny-a"
@@ -153,7 +153,7 @@ def test_bad_inputs_are_refused(fast, ref):
     a = build_step(batch, eng.model.cfg, 16, "cpu", pad_requests=1, max_blocks=40)
     b = build_step(batch, eng.model.cfg, 16, "cpu", pad_requests=2, max_blocks=40)
     with pytest.raises(ValueError, match="shape"):
-        a.copy_(b)
+        StepBuffer(a).load(b)
     bounded = ForwardBatch(
         input_ids=torch.tensor(seqs[0]), positions=torch.arange(len(seqs[0])), start_pos=[0], num_tokens=[len(seqs[0])],
         slots=[0], block_tables=torch.arange(32).view(1, 32), prev_tokens=torch.full((1, 3), -1), decoder_tokens=[4],
@@ -253,3 +253,143 @@ def test_piecewise_padding_past_the_block_capacity(fast, ref):
     padded = runner.run(batch).clone()
     plain = eng.model.logits(eng.model.forward(batch, eng.storage))
     assert (padded - plain).abs().max() <= 1e-4
+
+
+def test_step_buffer_refills_a_captured_step_with_one_copy(fast, ref):
+    """A step's tensors re-homed as views of one buffer (what a graph captures) take another
+    step's values of the same shapes, every field exactly (int64, int32, bool), each view
+    aligned to 16 bytes inside the buffer and none overlapping, and only the named fields when
+    a piece names them."""
+    eng = fast.engine
+    seqs = [ref[f"prompt{i}.input_ids"].tolist() for i in (1, 2)]
+    one = build_step(_decode_batch(fast, seqs), eng.model.cfg, 16, "cpu", pad_requests=2, max_blocks=40)
+    other = build_step(_decode_batch(fast, [s[:-3] for s in seqs]), eng.model.cfg, 16, "cpu", pad_requests=2, max_blocks=40)
+    held = StepBuffer(one)
+    names = [n for n, _ in held.step.named_tensors()]
+    assert names == [n for n, _ in one.named_tensors()]
+    assert {"input_ids", "block_tables", "enc.write", "dec.req"} <= set(names)
+    assert {t.dtype for _, t in held.step.named_tensors()} == {torch.int64, torch.int32, torch.bool}
+    base, end = held.buffer.data_ptr(), 0
+    for n, t in held.step.named_tensors():
+        offset = t.data_ptr() - base
+        assert offset % 16 == 0 and t.is_contiguous(), n
+        assert offset >= end and offset + t.numel() * t.element_size() <= held.buffer.numel(), n  # in order, no overlap
+        end = offset + t.numel() * t.element_size()
+    before = {n: t.clone() for n, t in held.step.named_tensors()}
+    assert all(torch.equal(t, dict(one.named_tensors())[n]) for n, t in before.items())
+    held.load(other)
+    for (n, t), (_, want) in zip(held.step.named_tensors(), other.named_tensors()):
+        assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want), n
+        assert t.untyped_storage().data_ptr() == held.buffer.untyped_storage().data_ptr()  # still views of the one buffer
+    assert not torch.equal(before["enc.positions"], held.step.enc.positions)
+    held.load(one)  # and back: every field is rewritten on every load, none keeps the last step's values
+    assert all(torch.equal(t, before[n]) for n, t in held.step.named_tensors())
+    piece = StepBuffer(one, ("input_ids", "enc"))
+    assert [span[0] for span in piece.spans] == [n for n, _ in one.named_tensors(("input_ids", "enc"))]
+    piece.load(other)
+    assert torch.equal(piece.step.enc.positions, other.enc.positions) and torch.equal(piece.step.dec.positions, one.dec.positions)
+
+
+def test_step_buffer_refuses_steps_that_do_not_fit(fast, ref):
+    """A step with more requests or rows than the captured bucket, another dtype or another
+    field set is refused with the field named, before anything is written (no truncation, no
+    cast, the captured tensors keep their values)."""
+    eng = fast.engine
+    cfg = eng.model.cfg
+    seqs = [ref[f"prompt{i}.input_ids"].tolist() for i in (1, 2)]
+    small = build_step(_decode_batch(fast, seqs[:1]), cfg, 16, "cpu", pad_requests=1, max_blocks=40)
+    held = StepBuffer(small)
+    kept = [t.clone() for _, t in held.step.named_tensors()]
+    staged = held.staging.clone()
+    more_requests = build_step(_decode_batch(fast, seqs), cfg, 16, "cpu", pad_requests=1, max_blocks=40)
+    with pytest.raises(ValueError, match=r"input_ids shape \[3\] does not fit the captured \[2\]"):
+        held.load(more_requests)
+    more_rows = build_step(_decode_batch(fast, seqs[:1]), cfg, 16, "cpu", pad_requests=1, pad_rows=3, max_blocks=40)
+    with pytest.raises(ValueError, match=r"input_ids shape \[4\] does not fit"):
+        held.load(more_rows)
+    wider = build_step(_decode_batch(fast, seqs[:1]), cfg, 16, "cpu", pad_requests=1, max_blocks=48)
+    with pytest.raises(ValueError, match="widths"):
+        held.load(wider)
+    cast = build_step(_decode_batch(fast, seqs[:1]), cfg, 16, "cpu", pad_requests=1, max_blocks=40)
+    cast.block_tables = cast.block_tables.long()
+    with pytest.raises(ValueError, match="block_tables is torch.int64"):
+        held.load(cast)
+    kept_rows = build_step(_decode_batch(fast, seqs[:1]), cfg, 16, "cpu", pad_requests=1, max_blocks=40)
+    kept_rows.dec_keep = torch.arange(kept_rows.dec.num_rows)
+    with pytest.raises(ValueError, match="fields"):
+        held.load(kept_rows)
+    assert all(torch.equal(t, k) for (_, t), k in zip(held.step.named_tensors(), kept))
+    assert torch.equal(held.staging, staged)  # refused before the staging buffer was touched
+
+
+class _Replayed:
+    """A stand-in for a captured CUDA graph on CPU: `replay` re-runs the captured body on the
+    tensors it was captured on (the StepBuffer's views) into the captured output."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def replay(self):
+        out = self.body()
+        if isinstance(out, torch.Tensor):
+            self.out.copy_(out)
+
+
+def _fake_record(body, device, pool):
+    graph = _Replayed(body)
+    graph.out = body()
+    return graph, graph.out
+
+
+def _cache_state(storage) -> list[torch.Tensor]:
+    """Every cache tensor's bytes (rings, compressed entries, indexer keys, compressor tails)."""
+    out = []
+    for d in (storage.ring, storage.ckv, storage.idx):
+        out += [t.clone().view(torch.uint8) for q in d.values() for t in (q.values, q.codes, q.scales) if t is not None]
+    for d in (storage.tail_kv, storage.tail_gate, storage.prev_kv, storage.prev_gate):
+        out += [t.clone().view(torch.uint8) for t in d.values()]
+    return out
+
+
+def test_graph_steps_run_on_their_step_buffers(fast, ref, monkeypatch):
+    """The capture path of both graph kinds on CPU (graphs "replayed" by re-running their body
+    on the tensors they were captured on): captured on a padding-only step, each replay reads
+    the host step from its StepBuffer and nothing of the step it was captured on (a field a
+    piece reads that its buffer does not hold would keep the padding values), step after step
+    of other values — the eager run's logits and cache writes, bit for bit."""
+    from dsv4.engine import cuda_graphs
+    from dsv4.engine.cuda_graphs import PiecewiseGraphs
+
+    monkeypatch.setattr(cuda_graphs, "_record", _fake_record)
+    eng = fast.engine
+    window = eng.model.cfg.window
+    seqs = [ref[f"prompt{i}.input_ids"].tolist() for i in (1, 2, 4)]
+
+    def same(graphs, eager, make, setup=lambda: None):
+        setup()
+        replayed = graphs.run(make()).clone()
+        state = _cache_state(eng.storage)
+        setup()
+        plain = eager.run(make())
+        assert torch.equal(replayed, plain)
+        assert all(torch.equal(a, b) for a, b in zip(state, _cache_state(eng.storage)))
+
+    graphs = DecodeGraphs(eng.model, eng.storage, max_blocks=40, sizes=(4,), use_graphs=False)
+    eager = DecodeGraphs(eng.model, eng.storage, max_blocks=40, sizes=(4,), use_graphs=False)
+    graphs.use_graphs = True
+    for chosen in (seqs, [s[:-5] for s in seqs[:2]]):
+        same(graphs, eager, lambda: _decode_batch(fast, chosen), lambda: _prefill(fast, chosen))
+    assert list(graphs._steps) == [4]
+
+    for bounded in (False, True):
+        kw = dict(max_blocks=40, row_sizes=(16, 32, 64, 128), request_sizes=(1, 4))
+        graphs, eager = PiecewiseGraphs(eng.model, eng.storage, use_graphs=False, **kw), PiecewiseGraphs(eng.model, eng.storage, use_graphs=False, **kw)
+        graphs.use_graphs = True
+        for chosen in ([s[:40] for s in seqs[:2]], [s[:30] for s in seqs], [s[:40] for s in seqs[1:]]):
+            n = len(chosen)
+            same(graphs, eager, lambda: _prefill_batch(chosen, [window] * n if bounded else None,
+                                                       logits_rows=torch.tensor([len(s) for s in chosen]).cumsum(0) - 1 if bounded else None))
+        assert (4, 128) in graphs._encoders and len(graphs._encoders) < 3  # a graph replayed on two different steps
+        # decode rows on cached context (the window rings and compressed entries of each slot)
+        for chosen in (seqs, [s[:-7] for s in seqs[1:]]):
+            same(graphs, eager, lambda: _decode_batch(fast, chosen), lambda: _prefill(fast, chosen))
