@@ -139,6 +139,7 @@ def test_fp8_linear_w8a16_grouped_is_each_group_on_its_inputs(m):
         (40, 64, 640, 32),  # row tile 64, split-K over two chunks
         (70, 130, 64, 16),  # row tile 128, block 16 (pieces of 16 inputs)
         (130, 40, 384, 128),  # two row tiles of 128, block wider than the K step
+        (6, 64, 640, 256),  # split-K, a chunk end inside a scale block
     ],
 )
 def test_fp8_linear_w8a16_matches_dequant_reference(m, n, k, block):
@@ -161,6 +162,36 @@ def _dequant_codes_kernel(w_ptr, s_ptr, out_ptr, PTX: tl.constexpr):
     cols = tl.arange(0, 256)[None, :]
     w = tl.load(w_ptr + cols + 0 * rows)
     tl.store(out_ptr + rows * 256 + cols, fp8_gemm.dequant_rows(w, tl.load(s_ptr + tl.arange(0, 8)), PTX))
+
+
+def test_w8a16_words_only_where_they_fit(monkeypatch):
+    """W8A16["DEQUANT"] "words" needs the compiled PTX path, no K edge and 4-byte aligned weight
+    rows; any other call reads bytes, with the same bits (on CPU every call: the interpreter
+    runs no PTX). An unknown knob value is refused."""
+    w = _fp8_weight(64, 256, 32, _gen(4))[0]
+    odd = torch.empty(64 * 256 + 1, dtype=torch.float8_e4m3fn)[1:].view(64, 256)  # data_ptr % 4 == 1
+    wide = torch.empty(64, 258, dtype=torch.float8_e4m3fn)[:, :256]  # rows 258 bytes apart
+    assert fp8_gemm.W8A16["DEQUANT"] == "words"
+    assert fp8_gemm.w8a16_words(True, w, True)
+    assert not fp8_gemm.w8a16_words(False, w, True)
+    assert not fp8_gemm.w8a16_words(True, w, False)
+    assert not fp8_gemm.w8a16_words(True, odd, True)
+    assert not fp8_gemm.w8a16_words(True, wide, True)
+    assert not fp8_gemm.w8a16_words(fp8_gemm.ptx_convert(torch.device("cpu")), w, True)
+    g = _gen(5)
+    for n, k in ((64, 256), (70, 100)):  # whole words; a K edge (bytes on any device)
+        x = torch.randn(3, k, generator=g).bfloat16().to(DEVICE)
+        w, s = (a.to(DEVICE) for a in _fp8_weight(n, k, 32, g))
+        ref = x.double().cpu() @ quant.dequant_fp8_block(w.cpu(), s.cpu(), 32).double().T
+        monkeypatch.setitem(fp8_gemm.W8A16, "DEQUANT", "bytes")
+        base = fp8_gemm.fp8_linear_w8a16(x, w, s, 32)
+        monkeypatch.setitem(fp8_gemm.W8A16, "DEQUANT", "words")
+        y = fp8_gemm.fp8_linear_w8a16(x, w, s, 32)
+        assert torch.equal(y, base), (n, k)
+        assert _rel_err(y, ref) <= BF16_REL * 1.01
+    monkeypatch.setitem(fp8_gemm.W8A16, "DEQUANT", "nibbles")
+    with pytest.raises(ValueError, match="W8A16"):
+        fp8_gemm.fp8_linear_w8a16(x, w, s, 32)
 
 
 def test_dequant_rows_exact_for_every_code():
@@ -252,15 +283,18 @@ def test_fp8_linear_w8a16_rows_do_not_depend_on_batch(monkeypatch):
                 assert torch.equal(row, batch[i - (200 - m)])
 
 
-@pytest.mark.parametrize("block", [32, 128])
-def test_fp8_linear_w8a16_bits_do_not_depend_on_tiles(monkeypatch, block):
+@pytest.mark.parametrize(
+    "block,chunks",
+    [(32, 2), (128, 2), (256, 4)],  # the last: chunk ends inside scale blocks
+)
+def test_fp8_linear_w8a16_bits_do_not_depend_on_tiles(monkeypatch, block, chunks):
     """Row tile, weight tile, K step, grouping and pipeline depth leave the bits alone (the
     K chunks, fixed by the weight's shape, are the only part of the numerics)."""
     monkeypatch.setattr(fp8_gemm, "num_sms", lambda device: 4)
     g = _gen(10 + block)
     x = torch.randn(40, 512, generator=g).bfloat16().to(DEVICE)
     w, s = (a.to(DEVICE) for a in _fp8_weight(96, 512, block, g))
-    monkeypatch.setitem(fp8_gemm.W8A16, "CHUNKS", {(96, 512, block): 2})  # else sized by the first class's BLOCK_N
+    monkeypatch.setitem(fp8_gemm.W8A16, "CHUNKS", {(96, 512, block): chunks})  # else sized by the first class's BLOCK_N
     base = fp8_gemm.fp8_linear_w8a16(x, w, s, block)
     tilings = [
         {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_T": 1, "num_warps": 4, "num_stages": 2},

@@ -16,7 +16,8 @@ have different limits:
   are many output tiles, or one program per chunk (split-K, to fill the SMs at decode) whose
   partials the tile's last program adds: the same bits either way, so a row's result does not
   depend on the batch it came in (batch invariance), and no sum uses atomics. The tile knobs
-  (`W8A16`) do not change the bits either, only the chunking does.
+  (`W8A16`) do not change the bits either, only the chunking does. The weights are read as
+  int32 words of 4 codes (`W8A16["DEQUANT"]`; the same bits as byte reads, 10-17% faster).
 * `fp8_linear_w8a8` (prefill, many rows, compute bound): the activations are first quantised
   to FP8 per (row, `block` columns) with a power-of-two scale (`fp8_act_quant`, the DeepSeek
   reference's activation quantiser, bit-identical to `quant.quantize_fp8_ue8m0`), then both
@@ -126,6 +127,20 @@ def dequant_rows(w, scale_byte, PTX: tl.constexpr):
         return (w.to(tl.float32) * e8m0_to_fp32(scale_byte)[:, None]).to(tl.bfloat16)
 
 
+@triton.jit
+def dequant_words(words, scale_byte):
+    """int32 [R, C] (4 e4m3 codes each, the first in the low byte) times 2**(scale_byte - 127)
+    per row (int32 [R]) -> bf16 [R, 4C] in input order: `dequant_rows`' permute and
+    multiplies on whole words (each word's two results split into bf16 halves and interleaved
+    back into input order), so the same exact values."""
+    lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_PTX, "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    pairs = tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+    even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    w16 = tl.reshape(tl.join(even, odd), (words.shape[0], 4 * words.shape[1]))
+    scale = (scale_byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return w16 * scale[:, None]
+
+
 # Knobs of the weight-only kernel (scripts/check_kernels.py's `gemm_sweep` section times
 # alternatives on the device and prints the best per shape).
 #
@@ -164,6 +179,23 @@ def dequant_rows(w, scale_byte, PTX: tl.constexpr):
 # "SPLIT_TILES_PER_SM": calls with fewer output tiles than this x SMs run one program per
 #   chunk (split-K) and the last program of a tile to finish adds the chunk partials in order;
 #   larger calls run all chunks of a tile in one program. Same bits either way.
+# "DEQUANT": how the weights are read; the same bits either way. "bytes": the FP8 tile goes
+#   through shared memory as bytes and Triton reads it from there straight in the wgmma's
+#   register-operand layout, two bytes per load plus byte permutes to repack them, before
+#   `dequant_rows`' permute. "words": as int32 words of 4 codes in a plain blocked layout,
+#   dequantised by `dequant_words` (the same permute and multiply on whole words), the bf16
+#   tile reaching the register layout through shared memory (ldmatrix) — what took the MoE
+#   gate_up K step from 943 to 626 SASS instructions (`moe.MOE["DEQUANT"]`). Here the sm_90
+#   compile of the decode tile (T16 N64 K128, split; Triton 3.9) has 518 -> 406 instructions
+#   per K step at block 32 and 482 -> 366 at block 128 with bf16 MMAs (static counts of the
+#   loop body, not timings). "words" needs the compiled PTX path, K a multiple of BLOCK_K and
+#   4-byte aligned weight rows (`w8a16_words`); other calls read bytes.
+#   On the H200 (device call S3-1, CUDA graphs) "words" took wq_b at M=1 27.5 -> 22.8 us, wo_b
+#   38.2 -> 33.6, shared.w13 25.8 -> 22.6; better or level at every projection and M <= 256 but
+#   indexer.wq_b and wo_a at M = 64 (7% and 2% slower).
+#   fp16 MMAs on the unscaled codes (`cvt.rn.f16x2.e4m3x2`, scale on the partial products)
+#   had fewer instructions still but ran no faster at M <= 8 and 20-60% slower at M = 256, and
+#   were dropped (the same held for the MoE kernels: docs/PERF.md, third session).
 # Defaults: per class the tile with the best geometric mean fraction of the floor over the 10
 # projections in the first device run (gemm_sweep, CUDA-graph timing, the kernel then still
 # untransposed; the next sweep re-measures): 16 rows N128 K128 s3 (22%; s4 21%), 64 rows N128
@@ -183,6 +215,7 @@ W8A16 = {
     "PROGRAMS_PER_SM": 2.0,
     "MIN_CHUNK_K": 256,
     "SPLIT_TILES_PER_SM": 1.0,
+    "DEQUANT": "words",
 }
 # Chunks other than the last are a multiple of this (the widest BLOCK_K), so that no K step of
 # any row class straddles two chunks.
@@ -205,7 +238,7 @@ def _w8a16_kernel(
     stride_xm, stride_wn, stride_sn, stride_om,
     QBLOCK: tl.constexpr, PIECE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, WORDS: tl.constexpr,
     LOADS: tl.constexpr, ROWS: tl.constexpr,
 ):
     """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
@@ -216,7 +249,11 @@ def _w8a16_kernel(
     program_id(1) only and stores its sum; the tile's last program to arrive (an integer
     ticket; no sum uses atomics) adds all partials in chunk order — the same additions, so the
     same bits, as one program running every chunk. GROUP_ROWS < N: a block-diagonal product
-    (x holds N / GROUP_ROWS groups of K inputs, weight rows g*GROUP_ROWS .. read group g)."""
+    (x holds N / GROUP_ROWS groups of K inputs, weight rows g*GROUP_ROWS .. read group g).
+
+    WORDS (`W8A16["DEQUANT"]` "words"; needs EVEN_K, PTX and 4-byte aligned weight rows): the
+    weights are read as int32 words of 4 codes and dequantised by `dequant_words` — the same
+    values as the byte path."""
     pid = tl.program_id(0)
     tiles_t = tl.cdiv(M, BLOCK_T)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -241,6 +278,9 @@ def _w8a16_kernel(
     else:
         k_lo = 0
         k_hi = K
+    if WORDS:  # int32 words of 4 codes (EVEN_K: no K edge, so only rows are masked)
+        rq = tl.arange(0, PIECE // 4)
+        w_words = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     chunk_end = k_lo + CHUNK_K
@@ -249,16 +289,23 @@ def _w8a16_kernel(
             k = k0 + j * PIECE + rp
             if EVEN_K:
                 x = tl.load(x_rows + k[None, :], mask=t_ok[:, None], other=0.0)
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
             else:
                 x = tl.load(x_rows + k[None, :], mask=t_ok[:, None] & (k < K)[None, :], other=0.0)
+            if WORDS:
+                w = tl.load(w_words + ((k0 + j * PIECE) // 4 + rq)[None, :], mask=n_ok[:, None], other=0)
+            elif EVEN_K:
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+            else:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
             if (j * PIECE) % QBLOCK == 0:  # a new scale column
                 if EVEN_K:
                     s = tl.load(s_rows + (k0 + j * PIECE) // QBLOCK, mask=n_ok, other=0)
                 else:  # a piece past K (zeros) takes the row's last scale: there is no column there
                     s = tl.load(s_rows + tl.minimum((k0 + j * PIECE) // QBLOCK, (K - 1) // QBLOCK), mask=n_ok, other=0)
-            acc = tl.dot(dequant_rows(w, s, PTX), tl.trans(x), acc)
+            if WORDS:
+                acc = tl.dot(dequant_words(w, s.to(tl.int32)), tl.trans(x), acc)
+            else:
+                acc = tl.dot(dequant_rows(w, s, PTX), tl.trans(x), acc)
         if not SPLIT:
             if (k0 + BLOCK_K == chunk_end) | (k0 + BLOCK_K >= k_hi):
                 total += acc
@@ -339,6 +386,14 @@ def w8a16_chunk_k(n: int, k: int, block: int, device: torch.device) -> int:
     return k if chunk_k >= k else chunk_k
 
 
+def w8a16_words(ptx: bool, w: torch.Tensor, even_k: bool) -> bool:
+    """Whether `fp8_linear_w8a16` reads its weight as int32 words (`W8A16["DEQUANT"]` "words"):
+    the compiled PTX path (`dequant_words` is inline PTX), no K edge (even_k:
+    K a multiple of BLOCK_K, so that whole words need only row masks) and 4-byte aligned rows
+    (the loads are int32). Otherwise the bytes path, whose bits are the same."""
+    return W8A16["DEQUANT"] == "words" and ptx and even_k and w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0
+
+
 def _tile_counters(device: torch.device, split: bool) -> torch.Tensor:
     """The split-K tickets of a device: zeroed once, and zeroed again by the program that uses
     one, so calls on one stream (and CUDA-graph replays) find them at zero. A zero fill
@@ -382,17 +437,21 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
     bad = wgmma_tile_error(bn, bt, cfg["num_warps"])
     if bad:
         raise ValueError(f"fp8_linear_w8a16: {bad}")
+    if W8A16["DEQUANT"] not in ("bytes", "words"):
+        raise ValueError(f"fp8_linear_w8a16: W8A16['DEQUANT'] is {W8A16['DEQUANT']!r}, expected 'bytes' or 'words'")
     chunk_k = w8a16_chunk_k(n, k, block, x.device)
     chunks = triton.cdiv(k, chunk_k)
     tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
     split = chunks > 1 and tiles < W8A16["SPLIT_TILES_PER_SM"] * num_sms(x.device) and tiles <= COUNTER_TILES
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     part = torch.empty(chunks if split else 0, m, n, dtype=torch.float32, device=x.device)
+    ptx = ptx_convert(x.device)
     _w8a16_kernel[(tiles, chunks if split else 1)](
         x2, w, w_scale, out, part, _tile_counters(x.device, split), m, n, k, chunk_k, n // groups,
         x2.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
-        SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx_convert(x.device), LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS,
+        SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=w8a16_words(ptx, w, k % bk == 0),
+        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out.view(*lead, n)

@@ -25,7 +25,7 @@ is bounded from the shapes alone (no host sync, CUDA-graph safe) and tiles past 
 at once. Kernel 1 gathers the token
 rows and multiplies them by the gate and up rows of its expert — each program streams one
 slab of BLOCK_N rows of one expert over all of D for the <= BLOCK_T pairs of its tile, the
-FP8 weights read as int32 words and dequantised exactly in registers (`dequant_words`, the
+FP8 weights read as int32 words and dequantised exactly in registers (`fp8_gemm.dequant_words`, the
 permute of `fp8_gemm.dequant_rows`; `MOE["DEQUANT"]` says why words), one MMA chain over D
 — rounds both to bf16 as the reference's linears do, clamps, applies silu(gate) * up (and the
 routing weight) and stores bf16 activations. Kernel 2 multiplies them by the expert's down
@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import _E4M3_TO_BF16_PTX, dequant_fp8, dequant_rows, ptx_convert, wgmma_tile_error
+from dsv4.ops.triton.fp8_gemm import dequant_fp8, dequant_rows, dequant_words, ptx_convert, wgmma_tile_error
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
 _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads constexpr globals only)
@@ -112,20 +112,6 @@ MOE = {
     # more experts take the grouped kernels at any load
     "DENSE_TEMP_BYTES": 8 << 30,
 }
-
-
-@triton.jit
-def dequant_words(words, scale_byte):
-    """int32 [R, C] (4 e4m3 codes each, the first in the low byte) times 2**(scale_byte - 127)
-    per row (int32 [R]) -> bf16 [R, 4C] in input order: `fp8_gemm.dequant_rows`' permute and
-    multiplies on whole words (each word's two results split into bf16 halves and interleaved
-    back into input order), so the same exact values."""
-    lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_PTX, "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    pairs = tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
-    even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    w16 = tl.reshape(tl.join(even, odd), (words.shape[0], 4 * words.shape[1]))
-    scale = (scale_byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return w16 * scale[:, None]
 
 
 @triton.jit
