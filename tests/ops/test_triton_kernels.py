@@ -683,7 +683,7 @@ def test_sparse_attention_launch_plan(monkeypatch):
     cfg = tattn.CONFIG
     cpu = torch.device("cpu")  # 4 SMs stand in for the interpreter
     one = tattn.launch_plan(1, 64, 512, 128, 512, cpu, cfg)  # 5 logits tiles in runs of 2
-    assert one["n_tiles"] == 5 and one["LOGIT_BLOCK_H"] == 64 and one["tiles_per_program"] == 2 and one["logit_programs"] == 3 and one["DSPLIT"] == 4
+    assert one["n_tiles"] == 5 and one["LOGIT_BLOCK_H"] == 64 and one["tiles_per_program"] == 2 and one["logit_programs"] == 3 and one["DSPLIT"] == 2
     many = tattn.launch_plan(4096, 64, 512, 128, 512, cpu, cfg)
     assert many["LOGIT_BLOCK_H"] == 64 and many["logit_programs"] == 1 and many["DSPLIT"] == 1
     assert tattn.launch_plan(1, 64, 64, 16, 0, cpu, dict(cfg, DSPLIT=8))["DSPLIT"] == 4
@@ -691,12 +691,13 @@ def test_sparse_attention_launch_plan(monkeypatch):
         tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, DSPLIT=3))
     with pytest.raises(ValueError, match="LOGIT_BLOCK_H"):
         tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, LOGIT_BLOCK_H=8))
-    # the H200's 132 SMs: one or 8 tokens get one tile per program and 16-head blocks (20 and
-    # 160 logits programs), 64 tokens all 64 heads in runs of 2 tiles (192), 256 one program
+    # the H200's 132 SMs: one token gets one tile per program and 16-head blocks (20 logits
+    # programs), 8 tokens 32-head blocks (80), 64 tokens all 64 heads in runs of 2 tiles (192),
+    # 256 one program; PV programs stay within half the SMs (8 slices up to 8 tokens, 64 x 1)
     monkeypatch.setattr(tattn, "num_sms", lambda device: 132)
     plans = {t: tattn.launch_plan(t, 64, 512, 128, 512, cpu, cfg) for t in (1, 8, 64, 256)}
-    assert [(p["LOGIT_BLOCK_H"], p["tiles_per_program"]) for p in plans.values()] == [(16, 1), (16, 1), (64, 2), (64, 5)]
-    assert [p["DSPLIT"] for p in plans.values()] == [8, 8, 4, 1]
+    assert [(p["LOGIT_BLOCK_H"], p["tiles_per_program"]) for p in plans.values()] == [(16, 1), (32, 1), (64, 2), (64, 5)]
+    assert [p["DSPLIT"] for p in plans.values()] == [8, 8, 1, 1]
 
 
 # ----------------------------------------------------------------------------------- sm_90 build

@@ -63,7 +63,7 @@ CKV_SCALE_BLOCK = tl.constexpr(16)  # E4M3 scale per 16 channels of a compressed
 # Tiling (module docstring). BLOCK_H heads per PV program (all 64 of a token: the heads are the
 # wgmma's M, 64 rows a warpgroup); LOGIT_BLOCK_H heads per logits program (the wgmma's N: each
 # head block dequantises the key tile again, so "auto" narrows it to 32 or 16 only when the tiles
-# alone give fewer programs than SMs, e.g. 20 instead of 5 at one token); LOGIT_BLOCK_N keys per
+# alone give fewer programs than half the SMs, e.g. 20 instead of 5 at one token); LOGIT_BLOCK_N keys per
 # logits tile (the rows of S^T: 128 = one 64-row wgmma per warpgroup at 8 warps), which is also
 # the unit of the softmax statistics; PIECE channel pairs dequantised per operand piece;
 # PV_BLOCK_N keys per PV tile; DSPLIT output-channel slices per (token, head block) in the PV
@@ -330,16 +330,19 @@ def _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk) -> N
 
 def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch.device, cfg: dict) -> dict:
     """Grid choices of a call: logits tiles, logits head block, logits programs per (token, head
-    block) and PV channel slices ("auto": the least spread that gives at least one program per
-    SM, tiles split before heads since a narrower head block dequantises every key again; none
-    of them changes any result)."""
+    block) and PV channel slices ("auto"; none of them changes any result). Logits: the widest
+    head block that gives at least half as many programs as SMs (a narrower block dequantises
+    every key again), tiles spread over programs up to one program per SM. PV: the most
+    channel slices that keep the programs within half the SMs. (attention_sweep, device call
+    S3-1: DSPLIT 1 instead of 4 took T=64 from 139 to 115 us, LOGIT_BLOCK_H 32 instead of 16
+    T=8 from 61 to 54 us; at T = 1 and 256 these rules pick what the old ones did.)"""
     bh = cfg["BLOCK_H"]
     n_tiles = triton.cdiv(window, cfg["LOGIT_BLOCK_N"]) + triton.cdiv(n_top, cfg["LOGIT_BLOCK_N"])
     rows = t * triton.cdiv(h, bh)
     sms = num_sms(device)
     lbh = cfg["LOGIT_BLOCK_H"]
     if lbh == "auto":
-        lbh = next((b for b in LOGIT_BLOCK_HS if t * triton.cdiv(h, b) * n_tiles >= sms), LOGIT_BLOCK_HS[-1])
+        lbh = next((b for b in LOGIT_BLOCK_HS if t * triton.cdiv(h, b) * n_tiles >= sms // 2), LOGIT_BLOCK_HS[-1])
     if lbh not in LOGIT_BLOCK_HS:
         raise ValueError(f"sparse_attention: LOGIT_BLOCK_H must be 'auto' or one of {LOGIT_BLOCK_HS}, got {lbh!r}")
     logit_rows = t * triton.cdiv(h, lbh)
@@ -348,7 +351,7 @@ def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch
         tiles = triton.cdiv(n_tiles, max(1, min(n_tiles, triton.cdiv(sms, logit_rows))))
     dsplit = cfg["DSPLIT"]
     if dsplit == "auto":
-        dsplit = next((d for d in DSPLITS if rows * d >= sms), DSPLITS[-1])
+        dsplit = max((d for d in DSPLITS if rows * d <= sms // 2), default=1)
     if dsplit not in DSPLITS:
         raise ValueError(f"sparse_attention: DSPLIT must be 'auto' or one of {DSPLITS}, got {dsplit!r}")
     dsplit = min(dsplit, dim // (RING_SCALE_BLOCK.value // 2))  # a slice holds whole ring scale groups
