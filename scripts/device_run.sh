@@ -5,7 +5,8 @@
 #   run(command="bash scripts/device_run.sh", carry=["devdata", ".device_wheels"])
 # Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
-# BASELINE_CASES, BASELINE_TIMEOUT.
+# BASELINE_CASES, BASELINE_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
+# knobs, e.g. AB_ENV="W8A16_DEQUANT=bytes").
 # Results under $OUT.
 set -uo pipefail
 pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
@@ -18,15 +19,18 @@ want() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 # `dsv4 bench forward` under `timeout $1` with the rest as arguments; with MOE_DEQUANT set
 # (below: when the real-shape MoE check finds the default dequantisation wrong on this GPU),
-# on that MoE path instead.
+# or W8A16_DEQUANT set (A/B runs of the dense GEMM's weight reads), on those knobs instead.
 bench() {
   local limit=$1
   shift
-  if [ -z "${MOE_DEQUANT:-}" ]; then timeout "$limit" python -m dsv4.cli bench forward "$@"; return; fi
   timeout "$limit" python - "$@" <<PY
 import sys
+import dsv4.ops.triton.fp8_gemm as fp8_gemm
 import dsv4.ops.triton.moe as moe
-moe.MOE["DEQUANT"] = "$MOE_DEQUANT"
+for knobs, key, value in ((moe.MOE, "DEQUANT", "${MOE_DEQUANT:-}"), (fp8_gemm.W8A16, "DEQUANT", "${W8A16_DEQUANT:-}")):
+    if value:
+        knobs[key] = value
+        print(f"knob {key} = {value}")
 from dsv4.cli import main
 sys.exit(main(["bench", "forward", *sys.argv[1:]]))
 PY
@@ -57,6 +61,12 @@ if want bench; then
   bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward.json" ${BENCH_FLAGS:---no-baseline} $CASES 2>&1 \
     | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -45
+fi
+if want ab; then  # A/B: the same cases under other kernel knobs (AB_ENV: VAR=value ...)
+  echo "=== ab ($AB_ENV)" | tee -a "$LOG"
+  (export $AB_ENV; bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
+    --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward_ab.json" --no-baseline ${AB_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768} 2>&1 \
+    | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -30)
 fi
 if want exact; then  # the same prefill in exact replay mode (every decoder layer on every token)
   echo "=== exact" | tee -a "$LOG"

@@ -50,6 +50,7 @@ import gc
 import json
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -368,6 +369,9 @@ def _run_case(model: Model, cfg: ModelConfig, case: Case, plans: list[RequestPla
         parts = breakdown(eager, device, median, timed_graph if graph_times else None) if opts.breakdown else None
     except torch.OutOfMemoryError as exc:
         return {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+    except Exception as exc:  # noqa: BLE001 - one failing case is reported, the others still run
+        traceback.print_exc()
+        return {"error": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     total = sum(parts.values()) if parts else 0.0
     return {
         "median_ms": median,

@@ -348,3 +348,23 @@ def test_bench_forward_v4_with_baseline_and_bad_input(tmp_path, capsys):
     assert "--block-size" in capsys.readouterr().out
     assert _run(["--config", "no/such/config.json", "d=1"]) == 2
     assert "neither a built-in" in capsys.readouterr().out
+
+
+def test_bench_forward_reports_a_failing_case_and_runs_the_rest(tmp_path, capsys, monkeypatch):
+    """A case that raises is an error row (its type and message) and the other cases still run."""
+    from dsv4.bench import forward
+
+    real = forward.build_case
+
+    def flaky(cfg, plans, **kw):
+        if sum(p.new_tokens for p in plans) == 3:
+            raise RuntimeError("boom at three tokens")
+        return real(cfg, plans, **kw)
+
+    monkeypatch.setattr(forward, "build_case", flaky)
+    out = tmp_path / "forward.json"
+    assert _run(["--config", "tiny-v41", "--device", "cpu", "--warmup", "0", "--iters", "1", "--no-breakdown", "--json", str(out), "bad=3*1@16", "good=2*1@16"]) == 0
+    bad, good = json.loads(out.read_text())["cases"]
+    assert bad["fast"]["error"] == "failed: RuntimeError: boom at three tokens"
+    assert good["fast"]["median_ms"] > 0
+    assert "boom at three tokens" in capsys.readouterr().out
