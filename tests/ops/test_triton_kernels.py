@@ -383,10 +383,12 @@ def test_moe_experts_matches_reference(weight_before_down, t, top_k, n_exp):
         assert (y.cpu() - ref).abs().max() <= 3 * BF16_REL * ref.abs().max()
 
 
-MOE_TILINGS = [  # (BLOCK_T, gate_up (BLOCK_N, BLOCK_K), down (BLOCK_N, BLOCK_K)), whole-wgmma tiles at 4 warps
-    (16, (64, 32), (64, 64)),
-    (32, (64, 64), (128, 32)),
-    (128, (128, 128), (64, 128)),
+MOE_TILINGS = [  # (BLOCK_T, gate_up (BLOCK_N, BLOCK_K, STACK), down (BLOCK_N, BLOCK_K)), whole-wgmma tiles at 4 warps
+    (16, (64, 32, False), (64, 64)),
+    (16, (64, 64, True), (64, 64)),  # gate over up rows in one accumulator
+    (32, (64, 64, False), (128, 32)),
+    (128, (128, 128, False), (64, 128)),
+    (128, (128, 32, True), (64, 32)),
 ]
 
 
@@ -405,8 +407,8 @@ def test_moe_experts_rows_do_not_depend_on_batch(monkeypatch):
     alone = {i: moe.moe_experts(dev[0][i : i + 1], dev[1][i : i + 1], dev[2][i : i + 1], *dev[3:], 10.0, True)[0] for i in (0, 39)}
     for i, row in alone.items():
         assert torch.equal(row, batch[i])
-    for bt, (gn, gk), (dn, dk) in MOE_TILINGS:
-        cfg = {"BLOCK_T": bt, "gate_up": {"BLOCK_N": gn, "BLOCK_K": gk, "num_warps": 4, "num_stages": 2}, "down": {"BLOCK_N": dn, "BLOCK_K": dk, "num_warps": 4, "num_stages": 3}}
+    for bt, (gn, gk, stack), (dn, dk) in MOE_TILINGS:
+        cfg = {"BLOCK_T": bt, "gate_up": {"BLOCK_N": gn, "BLOCK_K": gk, "num_warps": 4, "num_stages": 2, "STACK": stack}, "down": {"BLOCK_N": dn, "BLOCK_K": dk, "num_warps": 4, "num_stages": 3}}
         monkeypatch.setitem(moe.MOE, "rows", ((None, cfg),))
         for max_pairs, pair_tiles in ((4096, 0), (0, 0), (4096, 80)):
             monkeypatch.setitem(moe.MOE, "ALIGN_MAX_PAIRS", max_pairs)

@@ -60,7 +60,10 @@ _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads co
 #   with more pairs takes several tiles and reads its weights once per tile) and per kernel
 #   BLOCK_N weight rows per program (gate_up: BLOCK_N gate rows and BLOCK_N up rows; a
 #   multiple of 16 x num_warps), BLOCK_K inputs per pipelined step (a multiple of 32), warps
-#   and pipeline depth. A row's bits depend on none of them.
+#   and pipeline depth; gate_up's optional STACK (default False): its BLOCK_N rows are
+#   BLOCK_N / 2 gate rows over their up rows in one accumulator (twice the programs, each
+#   with half the work: decode's few row tiles leave SMs idle). A row's bits depend on none
+#   of them.
 # "ALIGN_MAX_PAIRS": up to this many (token, slot) pairs the expert layout is built by one
 #   Triton program (its time grows with the pairs), above by torch's sort.
 # "PAIR_TILES_MAX_PAIRS": up to this many pairs there is no layout at all: pair p is row tile
@@ -83,15 +86,24 @@ _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads co
 #   use "bytes".
 MOE = {
     "rows": (
+        (1, {  # decode's few row tiles: gate over up rows in one tile doubles the programs (ncu,
+            # S3-3: 252 programs at T=1 filled half a wave, 12% occupancy); moe_sweep S3-4: T=1
+            # 138 -> 118 us, T=8 692 -> 643 us at 385 experts (65: 142 -> 120, 554 -> 516); at
+            # T=64 of 385 experts (1.2 pairs per expert) it was 6% slower, hence the class bound
+            "BLOCK_T": 16,
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
+            "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+        }),
         (4, {  # 3 stages: 36% vs 4 stages' 32% of the floor (gemm_sweep, device run 2)
             "BLOCK_T": 16,
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
-        (16, {  # 3 stages: 32% vs 30% (device run 2)
+        (16, {  # 2 stages (more programs per SM): 975 vs 1013 us at T=64 of 65 experts, 5.76 vs
+            # 5.86 ms at T=256 of 385 (moe_sweep S3-4; 3 stages had beaten 4 in device run 2)
             "BLOCK_T": 32,
-            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
-            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
         }),
         (48, {
             "BLOCK_T": 64,
@@ -211,11 +223,14 @@ def _gate_up_kernel(
     limit,
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr,
+    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
     transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`).
-    WORDS: weights and scales read as int32 words (`MOE["DEQUANT"]`; EVEN_K and D % 128 == 0)."""
+    WORDS: weights and scales read as int32 words (`MOE["DEQUANT"]`; EVEN_K and D % 128 == 0).
+    STACK: the program's BLOCK_N weight rows are BLOCK_N / 2 gate rows over the same up rows,
+    one accumulator split in two for the SwiGLU (half the work per program, twice the
+    programs); else BLOCK_N gate rows and BLOCK_N up rows in two accumulators."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     # int64: an expert's offset e * stride_we passes 2**31 from expert 91 on at V4.1's shapes
@@ -228,13 +243,19 @@ def _gate_up_kernel(
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = pair < n_pairs
     token = pair // TOPK
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if STACK:  # row r: gate row pid_n * BLOCK_N / 2 + r for r < BLOCK_N / 2, its up row after
+        r = tl.arange(0, BLOCK_N)
+        rn = pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2)
+        w_row = rn + (r >= BLOCK_N // 2).to(tl.int32) * I
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_row = rn
     n_ok = rn < I
     rp = tl.arange(0, _PIECE)
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
-    gate_rows = w_ptr + e * stride_we + rn[:, None] * stride_wn
-    up_rows = gate_rows + I * stride_wn
-    gate_scales = s_ptr + e * stride_se + rn * stride_sn
+    gate_rows = w_ptr + e * stride_we + w_row[:, None] * stride_wn
+    up_rows = gate_rows + I * stride_wn  # (STACK: unused)
+    gate_scales = s_ptr + e * stride_se + w_row * stride_sn
     up_scales = gate_scales + I * stride_sn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
@@ -247,7 +268,8 @@ def _gate_up_kernel(
     for k0 in range(0, D, BLOCK_K):
         if WORDS:
             sg_word = tl.load(gate_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
-            su_word = tl.load(up_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
+            if not STACK:
+                su_word = tl.load(up_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
         for j in tl.static_range(BLOCK_K // _PIECE):
             k = k0 + j * _PIECE + rp
             kb = (k0 + j * _PIECE) // _PIECE
@@ -255,20 +277,31 @@ def _gate_up_kernel(
                 x = tl.load(x_rows + k[None, :], mask=valid[:, None], other=0.0)
                 kw = (k0 + j * _PIECE) // 4 + rq
                 wg = dequant_words(tl.load(gate_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(sg_word, k0, j, BLOCK_K))
-                wu = dequant_words(tl.load(up_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(su_word, k0, j, BLOCK_K))
+                if not STACK:
+                    wu = dequant_words(tl.load(up_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(su_word, k0, j, BLOCK_K))
             elif EVEN_K:
                 x = tl.load(x_rows + k[None, :], mask=valid[:, None], other=0.0)
                 wg = dequant_rows(tl.load(gate_rows + k[None, :], mask=n_ok[:, None], other=0.0), tl.load(gate_scales + kb, mask=n_ok, other=0), PTX)
-                wu = dequant_rows(tl.load(up_rows + k[None, :], mask=n_ok[:, None], other=0.0), tl.load(up_scales + kb, mask=n_ok, other=0), PTX)
+                if not STACK:
+                    wu = dequant_rows(tl.load(up_rows + k[None, :], mask=n_ok[:, None], other=0.0), tl.load(up_scales + kb, mask=n_ok, other=0), PTX)
             else:  # a piece past D (zeros) takes the row's last scale: there is no column there
                 x = tl.load(x_rows + k[None, :], mask=valid[:, None] & (k < D)[None, :], other=0.0)
                 wg = tl.load(gate_rows + k[None, :], mask=n_ok[:, None] & (k < D)[None, :], other=0.0)
-                wu = tl.load(up_rows + k[None, :], mask=n_ok[:, None] & (k < D)[None, :], other=0.0)
                 wg = dequant_rows(wg, tl.load(gate_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0), PTX)
-                wu = dequant_rows(wu, tl.load(up_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0), PTX)
+                if not STACK:
+                    wu = tl.load(up_rows + k[None, :], mask=n_ok[:, None] & (k < D)[None, :], other=0.0)
+                    wu = dequant_rows(wu, tl.load(up_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0), PTX)
             acc_gate = tl.dot(wg, tl.trans(x), acc_gate)
-            acc_up = tl.dot(wu, tl.trans(x), acc_up)
-    act = _swiglu(acc_gate.to(tl.bfloat16), acc_up.to(tl.bfloat16), limit, HAS_LIMIT)
+            if not STACK:
+                acc_up = tl.dot(wu, tl.trans(x), acc_up)
+    if STACK:  # rows 0 .. BLOCK_N / 2 - 1 hold gate, the rest up: split them apart
+        both = tl.permute(tl.reshape(acc_gate.to(tl.bfloat16), (2, BLOCK_N // 2, BLOCK_T)), (1, 2, 0))
+        gate, up = tl.split(both)
+        rn = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_ok = rn < I
+    else:
+        gate, up = acc_gate.to(tl.bfloat16), acc_up.to(tl.bfloat16)
+    act = _swiglu(gate, up, limit, HAS_LIMIT)
     if WEIGHT_BEFORE_DOWN:
         act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[None, :]
     tl.store(act_ptr + offs.to(tl.int64)[None, :] * stride_act + rn[:, None], act.to(tl.bfloat16), mask=n_ok[:, None] & valid[None, :])
@@ -514,14 +547,15 @@ def moe_experts(
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
     ptx = ptx_convert(x.device)
-    _gate_up_kernel[(n_tiles, triton.cdiv(inter, gu["BLOCK_N"]))](
+    stack = gu.get("STACK", False)
+    _gate_up_kernel[(n_tiles, triton.cdiv(inter, gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"]))](
         x, w13, w13_scale, rows, tile_expert, weights, act,
         n_pairs, n_experts, d, inter,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
         float(limit),
         TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
         BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
-        WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles,
+        WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack,
         num_warps=gu["num_warps"], num_stages=gu["num_stages"],
     )
     _down_kernel[(n_tiles, triton.cdiv(d, dn["BLOCK_N"]))](
