@@ -212,7 +212,10 @@ W8A16 = {
     ),
     # wq_a: 10 chunks of 512 beat the default 20 of 256 by 14% over M = 1, 8, 64 (device run 1)
     "CHUNKS": {(1280, 5120, 32): 10},
-    "PROGRAMS_PER_SM": 2.0,
+    # 4: twice the split-K chunks of 2 where the tile count allowed it (fp8_linear S3-4, M=1):
+    # wo_b 37.7 -> 29.3 us, V4's wo_b 24.1 -> 22.3; shapes capped by MIN_CHUNK_K or CHUNKS keep
+    # theirs (more chunks measured slower for wq_a, wkv, wo_a)
+    "PROGRAMS_PER_SM": 4.0,
     "MIN_CHUNK_K": 256,
     "SPLIT_TILES_PER_SM": 1.0,
     "DEQUANT": "words",
