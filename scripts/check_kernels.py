@@ -70,6 +70,7 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "engram": 0.1,
     "mhc": 0.15,
     "gemm_sweep": 0.25,
+    "moe_sweep": 0.15,
 }
 
 RECORDS: list[dict] = []
@@ -208,6 +209,17 @@ def fp8_linear_case(name: str, m: int, w: torch.Tensor, s: torch.Tensor, wd: tor
             record("fp8_linear", case, f"w8a16_graph {other}", ok=err <= 2**-8 * 1.1 and same, err=err, same_bits=same, **perf(t, w_bytes + io, flops, "bf16"))
         finally:
             fp8_gemm.W8A16["DEQUANT"] = default
+    if m <= 8:  # twice the K chunks (more split-K programs at decode; other bits: the chunking is numerics)
+        chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, x.device))
+        if k // (2 * chunks) >= fp8_gemm.CHUNK_ALIGN:
+            saved = fp8_gemm.W8A16["CHUNKS"]
+            fp8_gemm.W8A16["CHUNKS"] = {**saved, (n, k, block): 2 * chunks}
+            try:
+                err = rel_err(fp8_gemm.fp8_linear_w8a16(x, w, s, block), exact)
+                t = graph_time([lambda wi=wi, si=si: fp8_gemm.fp8_linear_w8a16(x, wi, si, block) for wi, si in rotated(w, s)])
+                record("fp8_linear", case, f"w8a16_graph {2 * chunks} chunks (default {chunks})", ok=err <= 2**-8 * 1.1, err=err, **perf(t, w_bytes + io, flops, "bf16"))
+            finally:
+                fp8_gemm.W8A16["CHUNKS"] = saved
     if m >= 64:
         y8 = fp8_gemm.fp8_linear_w8a8(x, w, s, block)
         xq = quant.dequantize_fp8_ue8m0(*quant.quantize_fp8_ue8m0(x, block), torch.float64, block)
@@ -476,9 +488,18 @@ SWEEP_ROW_TILES = {1: (16,), 32: (32,), 64: (64, 32), 256: (128, 64, 256)}  # ro
 # pair tiles off / on where the default has them on / the pairs are few.
 MOE_TILES = {
     16: [((64, 128, 4, 4), (128, 128, 4, 4)), ((64, 128, 4, 3), (128, 128, 4, 3)), ((64, 64, 4, 6), (128, 64, 4, 6)),
-         ((128, 128, 8, 3), (256, 128, 8, 3)), ((64, 128, 4, 4), (64, 128, 4, 4))],
-    32: [((64, 128, 4, 4), (128, 128, 4, 4)), ((64, 128, 4, 3), (128, 128, 4, 3)), ((128, 128, 8, 3), (128, 128, 8, 3))],
-    64: [((64, 128, 4, 3), (128, 128, 4, 3)), ((128, 64, 8, 4), (128, 64, 8, 4)), ((64, 64, 4, 4), (64, 128, 4, 3))],
+         ((128, 128, 8, 3), (256, 128, 8, 3)), ((64, 128, 4, 4), (64, 128, 4, 4)),
+         # less shared memory per program, for more programs per SM (ncu, S3-3: 25% theoretical
+         # occupancy, bound by shared memory; stalls on shared-memory loads)
+         ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 64, 4, 2), (64, 64, 4, 3)), ((64, 32, 4, 4), (128, 32, 4, 4)), ((64, 128, 4, 2), (128, 128, 4, 2)),
+         # gate_up STACK (fifth field): 32 gate + 32 up rows a program, twice the programs
+         ((64, 128, 4, 3, True), (128, 128, 4, 3)), ((64, 128, 4, 3, True), (64, 128, 4, 3)), ((64, 64, 4, 3, True), (64, 64, 4, 3)),
+         ((128, 128, 8, 3, True), (128, 128, 4, 3))],
+    32: [((64, 128, 4, 4), (128, 128, 4, 4)), ((64, 128, 4, 3), (128, 128, 4, 3)), ((128, 128, 8, 3), (128, 128, 8, 3)),
+         ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 64, 4, 2), (64, 64, 4, 3)), ((64, 128, 4, 2), (128, 128, 4, 2)),
+         ((64, 128, 4, 3, True), (128, 128, 4, 3)), ((64, 64, 4, 3, True), (64, 64, 4, 3))],
+    64: [((64, 128, 4, 3), (128, 128, 4, 3)), ((128, 64, 8, 4), (128, 64, 8, 4)), ((64, 64, 4, 4), (64, 128, 4, 3)),
+         ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 64, 4, 2), (64, 64, 4, 3))],
     128: [((64, 64, 4, 3), (128, 64, 8, 3))],
 }
 SWEEP_RESULTS: list[dict] = []  # every candidate's outcome, for the suggested knobs
@@ -683,7 +704,7 @@ def moe_candidates(pairs: int, experts: int) -> list[dict]:
     from dsv4.ops.triton import moe
 
     def make(bt, gu, dn):
-        return {"BLOCK_T": bt, "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), gu)), "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), dn))}
+        return {"BLOCK_T": bt, "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK"), gu)), "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), dn))}
 
     default = moe.moe_config(pairs, experts)
     bt = default["BLOCK_T"]
@@ -721,7 +742,7 @@ class moe_knobs:
 def moe_label(cand: dict) -> str:
     cfg, knobs = cand["cfg"], cand["knobs"]
     gu, dn = cfg["gate_up"], cfg["down"]
-    label = f"T{cfg['BLOCK_T']} gu N{gu['BLOCK_N']} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
+    label = f"T{cfg['BLOCK_T']} gu N{gu['BLOCK_N']}{' stacked' if gu.get('STACK') else ''} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
     if knobs.get("DEQUANT") == "bytes" and knobs.get("PAIR_TILES_MAX_PAIRS") == 0:
         return label + " old"
     return label + "".join(f" {k}={v}" for k, v in knobs.items())
@@ -808,19 +829,21 @@ def suggested_knobs() -> str:
     return "; ".join(parts)
 
 
-def sweep_jobs() -> list[tuple]:
+def sweep_jobs(kinds: tuple[str, ...] = ("w8a16", "moe")) -> list[tuple]:
     """Every (kind, shape, size, candidate) the sweep launches, for the compile warm-up."""
     jobs = []
-    for name, n, k, block in PROJECTIONS:
-        for m in SWEEP_ROWS:
-            jobs += [("w8a16", n, k, block, m, cand) for cand in w8a16_candidates(m, n, k, block)]
-    for experts, tokens in SWEEP_MOE:
-        for t in tokens:
-            jobs += [("moe", experts, t, cand) for cand in moe_candidates(t * 7, experts)]
+    if "w8a16" in kinds:
+        for name, n, k, block in PROJECTIONS:
+            for m in SWEEP_ROWS:
+                jobs += [("w8a16", n, k, block, m, cand) for cand in w8a16_candidates(m, n, k, block)]
+    if "moe" in kinds:
+        for experts, tokens in SWEEP_MOE:
+            for t in tokens:
+                jobs += [("moe", experts, t, cand) for cand in moe_candidates(t * 7, experts)]
     return jobs
 
 
-def sweep_warm(index: int, count: int) -> None:
+def sweep_warm(index: int, count: int, kinds: tuple[str, ...] = ("w8a16", "moe")) -> None:
     """Worker process: compile (by running once, on zero data) its share of the sweep's
     launches; the main process then finds them in Triton's disk cache. The MoE GEMMs compile
     the same for any expert count, so 64 experts stand in for 384 (the layout kernel, whose
@@ -829,7 +852,7 @@ def sweep_warm(index: int, count: int) -> None:
 
     weights: dict = {}
     experts = None
-    for job in sweep_jobs()[index::count]:
+    for job in sweep_jobs(kinds)[index::count]:
         try:
             if job[0] == "w8a16":
                 _, n, k, block, m, cand = job
@@ -853,18 +876,30 @@ def sweep_warm(index: int, count: int) -> None:
     torch.cuda.synchronize()
 
 
-def section_gemm_sweep() -> None:
+def run_gemm_sweep(kinds: tuple[str, ...]) -> None:
+    """The candidates of `kinds` ("w8a16", "moe"): compiled by worker processes first, then timed."""
     start = time.time()
-    code = f"import sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); import check_kernels as ck; ck.sweep_warm(int(sys.argv[1]), {SWEEP_WORKERS})"
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); import check_kernels as ck; ck.sweep_warm(int(sys.argv[1]), {SWEEP_WORKERS}, {kinds!r})"
     workers = [subprocess.Popen([sys.executable, "-c", code, str(i)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(SWEEP_WORKERS)]
     failed = join_workers(workers, start + 240, 10.0)
     record("gemm_sweep", "compile warm-up", f"{SWEEP_WORKERS} workers, {time.time() - start:.0f} s, {len(failed)} failed", failed=failed)
-    for name, n, k, block in PROJECTIONS:
-        guarded("gemm_sweep", f"w8a16 {name}", sweep_w8a16_shape, name, n, k, block)
-    x, _, _, w13, s13, w2, s2 = moe_data(max(t for _, tokens in SWEEP_MOE for t in tokens), e=max(e for e, _ in SWEEP_MOE))
-    for experts, tokens in SWEEP_MOE:
-        guarded("gemm_sweep", f"moe E={experts}", sweep_moe_experts, experts, tokens, (x, w13, s13, w2, s2))
+    if "w8a16" in kinds:
+        for name, n, k, block in PROJECTIONS:
+            guarded("gemm_sweep", f"w8a16 {name}", sweep_w8a16_shape, name, n, k, block)
+    if "moe" in kinds:
+        x, _, _, w13, s13, w2, s2 = moe_data(max(t for _, tokens in SWEEP_MOE for t in tokens), e=max(e for e, _ in SWEEP_MOE))
+        for experts, tokens in SWEEP_MOE:
+            guarded("gemm_sweep", f"moe E={experts}", sweep_moe_experts, experts, tokens, (x, w13, s13, w2, s2))
     record("gemm_sweep", "suggested knobs", suggested_knobs() or "none (no complete results)")
+
+
+def section_gemm_sweep() -> None:
+    run_gemm_sweep(("w8a16", "moe"))
+
+
+def section_moe_sweep() -> None:
+    """The MoE half of gemm_sweep alone."""
+    run_gemm_sweep(("moe",))
 
 
 
@@ -1928,10 +1963,18 @@ def compile_targets() -> list[tuple]:
                         continue
                     consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True, **variant}
                     if name == "gate_up":
-                        consts.update(TOPK=7, HAS_LIMIT=True)
+                        consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False))
                     dequant = "words" if variant["WORDS"] else "bytes"
                     label = f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} before={before} {dequant}{' pair-tiles' if variant['PAIR_TILES'] else ''}"
                     out.append((label, kernel, types, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
+    # gate_up with its rows stacked (gate over up in one accumulator), at the decode tile
+    cfg = moe.MOE["rows"][0][1]
+    part = cfg["gate_up"]
+    for pair_tiles in (False, True):
+        consts = {"WEIGHT_BEFORE_DOWN": True, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
+                  "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True}
+        label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
+        out.append((label, moe._gate_up_kernel, gate_up, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     align = {"ids_ptr": "*i64:16", "rows_ptr": "*i32:16", "tile_expert_ptr": "*i32:16", "n_pairs": i, "n_experts": i, "n_tiles": i}
     for e_block in (64, 512):
         bt = moe.MOE["rows"][0][1]["BLOCK_T"]

@@ -3,9 +3,9 @@
 # against its reference, the golden sets on CUDA (greedy with vs without CUDA graphs), the
 # forward benchmark. Prepare here first (bash scripts/prepare_device.sh), then
 #   run(command="bash scripts/device_run.sh", carry=["devdata", ".device_wheels"])
-# Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline), KERNEL_SECTIONS,
+# Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline; also ab, ncu), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
-# BASELINE_CASES, BASELINE_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
+# BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
 # knobs, e.g. AB_ENV="W8A16_DEQUANT=bytes").
 # Results under $OUT.
 set -uo pipefail
@@ -67,6 +67,19 @@ if want ab; then  # A/B: the same cases under other kernel knobs (AB_ENV: VAR=va
   (export $AB_ENV; bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward_ab.json" --no-baseline ${AB_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768} 2>&1 \
     | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -30)
+fi
+if want ncu; then  # Nsight Compute on the bounding kernels (scripts/ncu_kernels.py), where the image has it
+  echo "=== ncu" | tee -a "$LOG"
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -z "$NCU" ]; then
+    echo "no ncu on this machine" | tee -a "$LOG"
+  else
+    timeout "${NCU_TIMEOUT:-240}" "$NCU" --kernel-name regex:'_gate_up_kernel|_down_kernel|_w8a16_kernel|_logits_kernel|_pv_kernel' \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis python scripts/ncu_kernels.py ${NCU_CASES:+--cases $NCU_CASES} >"$OUT/ncu.txt" 2>&1
+    echo "rc=$?" | tee -a "$LOG"
+    grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Issued Warp Per Scheduler|No Eligible|Registers Per|ERR" "$OUT/ncu.txt" | head -80
+  fi
 fi
 if want exact; then  # the same prefill in exact replay mode (every decoder layer on every token)
   echo "=== exact" | tee -a "$LOG"
