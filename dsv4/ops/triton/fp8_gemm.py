@@ -194,7 +194,7 @@ def dequant_words(words, scale_byte):
 #   38.2 -> 33.6, shared.w13 25.8 -> 22.6; better or level at every projection and M <= 256 but
 #   indexer.wq_b and wo_a at M = 64 (7% and 2% slower).
 #   fp16 MMAs on the unscaled codes (`cvt.rn.f16x2.e4m3x2`, scale on the partial products)
-#   had fewer instructions still but ran no faster at M <= 8 and 20-60% slower at M = 256, and
+#   had fewer instructions still but ran no faster at M <= 8 and 17-60% slower at M = 256, and
 #   were dropped (the same held for the MoE kernels: docs/PERF.md, third session).
 # Defaults: per class the tile with the best geometric mean fraction of the floor over the 10
 # projections in the first device run (gemm_sweep, CUDA-graph timing, the kernel then still
