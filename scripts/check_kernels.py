@@ -63,7 +63,7 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "moe_prefill": 0.1,
     "router": 0.05,
     "attention": 0.15,
-    "invariance": 0.15,
+    "invariance": 0.3,  # 0.15 ran out before its mHC / engram checks (S3-5)
     "attention_sweep": 0.15,
     "indexer": 0.15,
     "kv_store": 0.08,
@@ -1016,7 +1016,7 @@ ATTN_SWEEP = [
     {"DSPLIT": 2},
     {"DSPLIT": 4},
     {"DSPLIT": 8},
-    {"pv_stages": 3},
+    {"pv_stages": 2},
     {"pv_warps": 4, "DSPLIT": 8},
     {"LOGIT_BLOCK_N": 64, "logit_warps": 4},
 ]
