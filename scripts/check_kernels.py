@@ -1711,19 +1711,11 @@ def mhc_data(t: int, seed: int = 0) -> dict:
 
 
 def mixes_fp64(a: dict) -> tuple:
-    """hc_mixes' math in fp64: the yardstick for the kernel and the fp32 torch reference."""
-    flat = a["x"].flatten(1).double()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + MHC_EPS)
-    m = flat @ a["fn"].double().T
-    s, b, hc = a["scale"].double(), a["base"].double(), MHC_HC
-    pre = torch.sigmoid(m[:, :hc] * s[0] + b[:hc]) + MHC_EPS
-    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * s[1] + b[hc : 2 * hc])
-    comb = torch.softmax((m[:, 2 * hc :] * s[2] + b[2 * hc :]).view(-1, hc, hc), dim=-1) + MHC_EPS
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + MHC_EPS)
-    for _ in range(MHC_ITERS - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + MHC_EPS)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + MHC_EPS)
-    return pre, post, comb
+    """hc_mixes' math in fp64 (`ops.mhc.hc_mixes_fp64`): the yardstick for the kernel and the
+    fp32 torch reference."""
+    from dsv4.ops import mhc as mhc_ops
+
+    return mhc_ops.hc_mixes_fp64(*mhc_mixes_args(a))
 
 
 def max_rel(outs: tuple, refs: tuple) -> float:

@@ -50,6 +50,24 @@ def hc_mixes_reference(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     return pre, post, comb
 
 
+def hc_mixes_fp64(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """`hc_mixes`' math in fp64 with plain torch ops: the accuracy yardstick for both fp32
+    implementations (the reference above and the Triton kernels), in the tests and on the
+    device (scripts/check_kernels.py)."""
+    flat = x.flatten(1).double()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    m = flat @ fn.double().T
+    base, scale = base.double(), scale.double()
+    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = torch.softmax((m[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(-1, hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
 def _check_streams(name: str, x: torch.Tensor, hc: int | None = None, **mixes: torch.Tensor) -> None:
     """x must be [T, hc, D]; each named mix [T, hc] (post, pre) or [T, hc, hc] (comb)."""
     if x.dim() != 3 or (hc is not None and x.shape[1] != hc):

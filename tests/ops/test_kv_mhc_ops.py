@@ -273,22 +273,6 @@ def test_store_rows_rejects_bad_arguments():
 # ----------------------------------------------------------------------------------- mHC
 
 
-def _mixes_ref64(x, fn, base, scale, hc, iters, hc_eps, norm_eps):
-    """`hc_mixes`' math in fp64 (the accuracy yardstick for both fp32 implementations)."""
-    flat = x.flatten(1).double()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    m = flat @ fn.double().T
-    base, scale = base.double(), scale.double()
-    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb = torch.softmax((m[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(-1, hc, hc), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, comb
-
-
 def _mhc_case(t: int, hc: int, d: int, seed: int):
     g = _gen(seed)
     x = (torch.randn(t, hc, d, generator=g) * torch.exp(torch.randn(t, 1, 1, generator=g))).bfloat16()
@@ -312,7 +296,7 @@ def test_hc_mixes_accuracy_and_split(t, hc, d, iters, monkeypatch):
     x, fn, base, scale = _mhc_case(t, hc, d, seed=t)
     args = (fn.to(DEVICE), base.to(DEVICE), scale.to(DEVICE), hc, iters, 1e-6, 1e-6)
     ref = mhc.hc_mixes(x, fn, base, scale, hc, iters, 1e-6, 1e-6)  # CPU: the torch reference
-    exact = _mixes_ref64(x, fn, base, scale, hc, iters, 1e-6, 1e-6)
+    exact = mhc.hc_mixes_fp64(x, fn, base, scale, hc, iters, 1e-6, 1e-6)
     assert tmhc.mixes_chunks(hc * d)[1] > 1
     outs = {}
     for sms in (1, 1000):  # never / always split
