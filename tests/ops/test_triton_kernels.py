@@ -360,7 +360,9 @@ def _dequant_rows(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("weight_before_down", [True, False])
-@pytest.mark.parametrize("t,top_k,n_exp", [(5, 3, 8), (40, 2, 4), (60, 2, 2)])  # row tiles 16, 64, 128
+# mean pairs per expert 0.75: the stacked gate/up class, with pair tiles (6 pairs) and with the expert layout (12),
+# then row tiles 16, 64, 128
+@pytest.mark.parametrize("t,top_k,n_exp", [(3, 2, 8), (6, 2, 16), (5, 3, 8), (40, 2, 4), (60, 2, 2)])
 def test_moe_experts_matches_reference(weight_before_down, t, top_k, n_exp):
     d, inter, limit = 64, 96, 10.0
     g = _gen(t * 10 + top_k)
