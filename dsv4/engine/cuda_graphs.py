@@ -19,6 +19,7 @@ and without graphs. Padding requests read only their own row and write nothing.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -163,6 +164,14 @@ def _spread(total: int, parts: int, caps: list[int] | None = None) -> list[int]:
     return out
 
 
+def _keep_all(step: Step) -> Step:
+    """`step` with `dec_keep` set even when the decoder keeps every row (build_step leaves it
+    None then): the decoder piece gathers its rows from the carry buffers in every case."""
+    if step.dec_keep is None:
+        step.dec_keep = torch.arange(step.dec.num_rows, device=step.slots.device)
+    return step
+
+
 class PiecewiseGraphs:
     """Runs any fast-path batch as two CUDA graphs: the encoder piece (every layer before
     the V4.1 CED split, and the split layer up to its attention: `Model.encode_step`) on the
@@ -264,36 +273,28 @@ class PiecewiseGraphs:
 
     # ------------------------------------------------------------------------- internals
     def _step(self, batch: ForwardBatch, plan: dict, device) -> Step:
-        step = build_step(batch, self.model.cfg, self.cache.block_size, device, pad_requests=len(plan["pad_rows"]),
-                          pad_rows=plan["pad_rows"], pad_dec_rows=plan["pad_dec_rows"], pad_logits=1, max_blocks=self.max_blocks)
-        if step.dec_keep is None:  # the decoder gathers its rows from the carry buffers in every case
-            step.dec_keep = torch.arange(step.dec.num_rows, device=step.slots.device)
-        return step
+        return _keep_all(build_step(batch, self.model.cfg, self.cache.block_size, device, pad_requests=len(plan["pad_rows"]),
+                                    pad_rows=plan["pad_rows"], pad_dec_rows=plan["pad_dec_rows"], pad_logits=1, max_blocks=self.max_blocks))
 
     def _static(self, requests: int, rows: int, dec_rows: int, logits: int) -> Step:
         """A step of padding requests only (writes nothing) with the given shapes."""
         pad_rows = _spread(rows, requests)
         pad_dec = _spread(dec_rows, requests, pad_rows)
         pad_logits = _spread(logits, requests, pad_dec) if logits >= requests else [1] * logits + [0] * (requests - logits)
-        step = _padding_step(self.model, self.cache, self.max_blocks, requests, pad_rows=pad_rows, pad_dec_rows=pad_dec, pad_logits=pad_logits)
-        if step.dec_keep is None:
-            step.dec_keep = torch.arange(step.dec.num_rows, device=self.model.device)
-        return step
+        return _keep_all(_padding_step(self.model, self.cache, self.max_blocks, requests, pad_rows=pad_rows, pad_dec_rows=pad_dec, pad_logits=pad_logits))
 
     def _store(self, carry: Carry) -> None:
         """Copy the encoder's carry into the first rows of the buffers (made on first use)."""
         if self._buffers is None:
             rows = max(self.row_sizes) if self.use_graphs else carry.ids.shape[0]
-            wide = lambda t: None if t is None else t.new_zeros((rows, *t.shape[1:]))
-            self._buffers = Carry(ids=wide(carry.ids), streams=wide(carry.streams), pre=None, hashes=wide(carry.hashes),
-                                  shared={k: wide(v) for k, v in carry.shared.items()}, residual=wide(carry.residual),
-                                  a_pre=wide(carry.a_pre), a_post=wide(carry.a_post), a_comb=wide(carry.a_comb), h=wide(carry.h))
+            wide = lambda t: t.new_zeros((rows, *t.shape[1:]))
+            self._buffers = replace(carry.per_row(wide), shared={k: wide(v) for k, v in carry.shared.items()})
         buf = self._buffers
         if not self.use_graphs and buf.ids.shape[0] < carry.ids.shape[0]:  # eager: grow to the largest step
             self._buffers = None
             return self._store(carry)
         n = carry.ids.shape[0]
-        for name in ("ids", "streams", "hashes", "residual", "a_pre", "a_post", "a_comb", "h"):
+        for name in Carry.PER_ROW:
             src = getattr(carry, name)
             if src is not None:
                 getattr(buf, name)[:n].copy_(src)

@@ -78,15 +78,18 @@ class Carry:
     a_comb: torch.Tensor | None = None
     h: torch.Tensor | None = None
 
+    # the per-row tensors that cross the CED split (`pre` does not: the split layer replaces it
+    # before anything reads it; the selections in `shared` are kept by the rows' own `split`)
+    PER_ROW = ("ids", "streams", "hashes", "residual", "a_pre", "a_post", "a_comb", "h")
+
+    def per_row(self, fn) -> Carry:
+        """A Carry of fn(t) for every per-row tensor t (None stays None), the same selections
+        and no `pre`."""
+        return Carry(pre=None, shared=self.shared, **{n: None if getattr(self, n) is None else fn(getattr(self, n)) for n in self.PER_ROW})
+
     def kept(self, keep: torch.Tensor | None) -> Carry:
-        """The rows `keep` (the decoder's, at the CED split) of every per-row tensor but the
-        selections, which the rows' own `split` keeps, and `pre`, which the split layer
-        replaces before anything reads it."""
-        if keep is None:
-            return self
-        pick = lambda t: None if t is None else t[keep]
-        return Carry(ids=pick(self.ids), streams=pick(self.streams), pre=None, hashes=pick(self.hashes), shared=self.shared,
-                     residual=pick(self.residual), a_pre=pick(self.a_pre), a_post=pick(self.a_post), a_comb=pick(self.a_comb), h=pick(self.h))
+        """The rows `keep` (the decoder's, at the CED split) of every per-row tensor."""
+        return self if keep is None else self.per_row(lambda t: t[keep])
 
 
 class Model:
