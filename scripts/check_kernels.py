@@ -34,6 +34,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -197,29 +198,21 @@ def fp8_linear_case(name: str, m: int, w: torch.Tensor, s: torch.Tensor, wd: tor
     # as decode runs it: from a CUDA graph (no host launch time), weights streamed from HBM
     t = graph_time([lambda wi=wi, si=si: fp8_gemm.fp8_linear_w8a16(x, wi, si, block) for wi, si in rotated(w, s)])
     record("fp8_linear", case, "w8a16_graph", **perf(t, w_bytes + io, flops, "bf16"))
-    if m <= 256:  # the decode regime: the other weight reads (W8A16 "DEQUANT"), which must keep the bits
-        base = fp8_gemm.fp8_linear_w8a16(x, w, s, block)
-        default = fp8_gemm.W8A16["DEQUANT"]
-        other = "bytes" if default == "words" else "words"
-        fp8_gemm.W8A16["DEQUANT"] = other
-        try:
+
+    def variant(label: str, knobs: dict, same_as: torch.Tensor | None) -> None:
+        """The graph timing under other W8A16 knobs; `same_as`: the bits it must keep."""
+        with patch.dict(fp8_gemm.W8A16, knobs):
             y = fp8_gemm.fp8_linear_w8a16(x, w, s, block)
-            err, same = rel_err(y, exact), torch.equal(y, base)
+            err, same = rel_err(y, exact), None if same_as is None else torch.equal(y, same_as)
             t = graph_time([lambda wi=wi, si=si: fp8_gemm.fp8_linear_w8a16(x, wi, si, block) for wi, si in rotated(w, s)])
-            record("fp8_linear", case, f"w8a16_graph {other}", ok=err <= 2**-8 * 1.1 and same, err=err, same_bits=same, **perf(t, w_bytes + io, flops, "bf16"))
-        finally:
-            fp8_gemm.W8A16["DEQUANT"] = default
-    if m <= 8:  # twice the K chunks (more split-K programs at decode; other bits: the chunking is numerics)
-        chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, x.device))
-        if k // (2 * chunks) >= fp8_gemm.CHUNK_ALIGN:
-            saved = fp8_gemm.W8A16["CHUNKS"]
-            fp8_gemm.W8A16["CHUNKS"] = {**saved, (n, k, block): 2 * chunks}
-            try:
-                err = rel_err(fp8_gemm.fp8_linear_w8a16(x, w, s, block), exact)
-                t = graph_time([lambda wi=wi, si=si: fp8_gemm.fp8_linear_w8a16(x, wi, si, block) for wi, si in rotated(w, s)])
-                record("fp8_linear", case, f"w8a16_graph {2 * chunks} chunks (default {chunks})", ok=err <= 2**-8 * 1.1, err=err, **perf(t, w_bytes + io, flops, "bf16"))
-            finally:
-                fp8_gemm.W8A16["CHUNKS"] = saved
+        record("fp8_linear", case, f"w8a16_graph {label}", ok=err <= 2**-8 * 1.1 and same is not False, err=err, same_bits=same, **perf(t, w_bytes + io, flops, "bf16"))
+
+    if m <= 256:  # the decode regime: the other weight reads, which must keep the bits
+        other = "bytes" if fp8_gemm.W8A16["DEQUANT"] == "words" else "words"
+        variant(other, {"DEQUANT": other}, fp8_gemm.fp8_linear_w8a16(x, w, s, block))
+    chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, x.device))
+    if m <= 8 and k // (2 * chunks) >= fp8_gemm.CHUNK_ALIGN:  # twice the K chunks (other bits: the chunking is numerics)
+        variant(f"{2 * chunks} chunks (default {chunks})", {"CHUNKS": {**fp8_gemm.W8A16["CHUNKS"], (n, k, block): 2 * chunks}}, None)
     if m >= 64:
         y8 = fp8_gemm.fp8_linear_w8a8(x, w, s, block)
         xq = quant.dequantize_fp8_ue8m0(*quant.quantize_fp8_ue8m0(x, block), torch.float64, block)
