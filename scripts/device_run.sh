@@ -6,7 +6,8 @@
 # Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline; also ab, ncu), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
-# knobs, e.g. AB_ENV="W8A16_DEQUANT=bytes").
+# knobs, e.g. AB_ENV="W8A16_DEQUANT=bytes", or KNOBS="dsv4.ops.linear:DENSE_GEMM_ROWS=128
+# dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"), PROFILE_CASES (per-kernel table of graph replays, step `profile`).
 # Results under $OUT.
 set -uo pipefail
 pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
@@ -31,6 +32,16 @@ for knobs, key, value in ((moe.MOE, "DEQUANT", "${MOE_DEQUANT:-}"), (fp8_gemm.W8
     if value:
         knobs[key] = value
         print(f"knob {key} = {value}")
+import ast, importlib
+for knob in "${KNOBS:-}".split():  # module:NAME=value or module:DICT.key=value (a Python literal)
+    target, value = knob.split("=", 1)
+    module, name = target.split(":")
+    mod, value = importlib.import_module(module), ast.literal_eval(value)
+    if "." in name:
+        getattr(mod, name.split(".")[0])[name.split(".", 1)[1]] = value
+    else:
+        setattr(mod, name, value)
+    print(f"knob {knob}")
 from dsv4.cli import main
 sys.exit(main(["bench", "forward", *sys.argv[1:]]))
 PY
@@ -67,6 +78,11 @@ if want ab; then  # A/B: the same cases under other kernel knobs (AB_ENV: VAR=va
   (export $AB_ENV; bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward_ab.json" --no-baseline ${AB_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768} 2>&1 \
     | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -30)
+fi
+if want profile; then  # which kernels a step's time goes to (scripts/profile_step.py)
+  echo "=== profile" | tee -a "$LOG"
+  timeout "${PROFILE_TIMEOUT:-200}" python scripts/profile_step.py ${PROFILE_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768 d256_8k=256*1@8192 p8k=8192} \
+    --json "$OUT/profile.json" 2>&1 | grep -v -E "Warning|warn_once" | tee "$OUT/profile.txt" | tee -a "$LOG" | grep -E "^==" 
 fi
 if want ncu; then  # Nsight Compute on the bounding kernels (scripts/ncu_kernels.py), where the image has it
   echo "=== ncu" | tee -a "$LOG"

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Per-kernel table of forward steps as the benchmark runs them (device script).
+
+`dsv4 bench forward` says which component a step's time goes to; this says which kernels:
+for each case (the bench's grammar) it builds the same model (`--config v41 --num-layers 8
+--num-experts 64` by default, random weights), captures the step's CUDA graphs the way the
+bench does, replays them under torch.profiler and sums the GPU time of every kernel name per
+step, with its launch count, its share of the step and the GPU's idle time between kernels.
+
+    python scripts/profile_step.py d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dsv4.bench import forward as bench  # noqa: E402
+from dsv4.bench.roofline import case_floor, parse_cases, plan_case  # noqa: E402
+from dsv4.model.model import Model  # noqa: E402
+from dsv4.model.random_weights import random_weights  # noqa: E402
+
+
+def kernel_table(step, steps: int) -> dict:
+    """Replay `step` `steps` times under the profiler -> per kernel name: calls and us per step;
+    plus the step's GPU span and the sum of its kernels' times (the rest is idle GPU)."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        entry = per_name[e.name]
+        entry[0] += 1
+        entry[1] += e.device_time
+    start = min(e.time_range.start for e in kernels)
+    end = max(e.time_range.end for e in kernels)
+    busy = sum(v[1] for v in per_name.values())
+    rows = sorted(((n, c / steps, us / steps) for n, (c, us) in per_name.items()), key=lambda r: -r[2])
+    return {"span_us": (end - start) / steps, "kernel_us": busy / steps, "kernels": [{"name": n, "calls": c, "us": us} for n, c, us in rows]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cases", nargs="+")
+    p.add_argument("--config", default="v41")
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--num-experts", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3, help="replays profiled per case")
+    p.add_argument("--top", type=int, default=30, help="kernels printed per case")
+    p.add_argument("--json")
+    args = p.parse_args()
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    cfg = bench.bench_config(args.config, num_layers=args.num_layers, num_experts=args.num_experts, engram_rows=bench.DEFAULT_ENGRAM_ROWS)
+    token_map = torch.randint(0, cfg.engram_compressed_vocab_size, (cfg.vocab_size,), generator=torch.Generator().manual_seed(0))
+    model = Model(cfg, random_weights(cfg, dtype=dtype, device=device, compact=True, seed=0), dtype=dtype, device=device, token_map=token_map)
+    doc = {}
+    for case in parse_cases(args.cases):
+        cache, batch = bench.build_case(cfg, plan_case(cfg, case), block_size=256, dtype=dtype, device=device, seed=0, batch_device=torch.device("cpu"))
+        blocks = batch.block_tables.shape[1]
+        runner = bench.DecodeGraphs(model, cache, max_blocks=blocks, sizes=(batch.num_requests,), rows=max(batch.num_tokens))
+        if runner.fits(batch):
+            runner.capture()
+        else:
+            runner = bench.PiecewiseGraphs(model, cache, max_blocks=blocks)
+            runner.capture(batch)
+        times = bench.time_step(lambda: runner.run(batch), device, 2, 5)
+        table = kernel_table(lambda: runner.run(batch), args.steps)
+        floor = case_floor(cfg, case, dtype)["floor_ms"]
+        doc[case.name] = {"case": case.text, "step_ms": statistics.median(times), "floor_ms": floor, **table}
+        print(f"\n== {case.text}: step {doc[case.name]['step_ms']:.3f} ms (floor {floor:.3f}), GPU span {table['span_us'] / 1e3:.3f} ms, "
+              f"kernels {table['kernel_us'] / 1e3:.3f} ms, {sum(k['calls'] for k in table['kernels']):.0f} launches")
+        for k in table["kernels"][: args.top]:
+            print(f"  {k['us']:9.1f} us {100 * k['us'] / table['kernel_us']:5.1f}% {k['calls']:6.1f}x  {k['name'][:110]}")
+        del runner, cache, batch
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
