@@ -17,9 +17,9 @@ bf16; here the sum is fp32 and the caller casts.)
 
 How: the (token, slot) pairs are laid out by expert in segments padded to the row tile, so
 that every row tile of the grouped GEMMs belongs to one expert. Up to `MOE["ALIGN_MAX_PAIRS"]`
-pairs (decode) one Triton program builds that layout (a counting sort: one launch instead of
-about twenty small torch ops, whose launch gaps at T=1 are comparable to the ~50 us that six
-experts' weights take to stream); above, torch ops do; and up to `MOE["PAIR_TILES_MAX_PAIRS"]`
+pairs (decode) one Triton launch builds that layout (a counting sort, one program per expert:
+one launch instead of about twenty small torch ops, whose launch gaps at T=1 are comparable
+to the ~50 us that six experts' weights take to stream); above, torch ops do; and up to `MOE["PAIR_TILES_MAX_PAIRS"]`
 (one decode token) each pair is its own tile, with no layout launch. The padded layout's size
 is bounded from the shapes alone (no host sync, CUDA-graph safe) and tiles past the end exit
 at once. Kernel 1 gathers the token
@@ -47,6 +47,7 @@ import triton.language as tl
 from dsv4.ops.triton.fp8_gemm import dequant_fp8, dequant_rows, dequant_words, ptx_convert, wgmma_tile_error
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
+ALIGN_P_BLOCK = 512  # pairs per chunk of the layout kernel's passes
 _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads constexpr globals only)
 
 # Knobs (scripts/check_kernels.py's `gemm_sweep` section times alternatives on the device).
@@ -65,7 +66,7 @@ _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads co
 #   with half the work: decode's few row tiles leave SMs idle). A row's bits depend on none
 #   of them.
 # "ALIGN_MAX_PAIRS": up to this many (token, slot) pairs the expert layout is built by one
-#   Triton program (its time grows with the pairs), above by torch's sort.
+#   Triton launch (each program reads every pair twice), above by torch's sort.
 # "PAIR_TILES_MAX_PAIRS": up to this many pairs there is no layout at all: pair p is row tile
 #   p (the GEMMs read its expert from topk_ids), which saves the layout launch (a few us of a
 #   ~0.1 ms decode MoE); an expert that several pairs route to is then streamed once per pair
@@ -142,41 +143,51 @@ def _align_kernel(
     ids_ptr, rows_ptr, tile_expert_ptr, n_pairs, n_experts, n_tiles,
     BLOCK_T: tl.constexpr, E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, FILL: tl.constexpr,
 ):
-    """One program: the pairs' expert layout of `align_by_expert`, by counting sort.
+    """Program e < n_experts: expert e's segment of the layout of `align_by_expert`; program
+    n_experts: the tiles past the used ones.
 
-    Pass 1 counts pairs per expert; each expert's segment starts at the tile after the
-    previous expert's (an exclusive cumsum of tiles per expert). Pass 2 places each pair at
-    its expert's start + the number of earlier pairs of that expert (stable: pair order)."""
-    e = tl.arange(0, E_BLOCK)
+    Every program counts the pairs of all experts (a histogram per chunk of pairs; E_BLOCK >
+    n_experts, so the bin n_experts takes the chunk's masked lanes) to find where its segment
+    starts: the tile after the previous experts' tiles (an exclusive cumsum of tiles per
+    expert). Then it places its own pairs in pair order (stable) and marks the rest of its
+    segment as padding. The programs write disjoint parts of the layout, so they need no
+    ordering (one program for everything was 22 us at 448 pairs and 85 us at 1792, device
+    profile of the fourth session)."""
+    e = tl.program_id(0)
+    bins = tl.arange(0, E_BLOCK)
     counts = tl.zeros((E_BLOCK,), dtype=tl.int32)
     for p0 in range(0, n_pairs, P_BLOCK):
         p = p0 + tl.arange(0, P_BLOCK)
-        ids = tl.load(ids_ptr + p, mask=p < n_pairs, other=-1).to(tl.int32)
-        counts += tl.sum((ids[None, :] == e[:, None]).to(tl.int32), axis=1)
-    tiles = (counts + BLOCK_T - 1) // BLOCK_T
+        ids = tl.load(ids_ptr + p, mask=p < n_pairs, other=n_experts).to(tl.int32)
+        counts += tl.histogram(ids, E_BLOCK)
+    tiles = tl.where(bins < n_experts, (counts + BLOCK_T - 1) // BLOCK_T, 0)
     first_tile = tl.cumsum(tiles, axis=0) - tiles
-    # padding rows and tiles past the used ones first; the barrier orders these stores before
-    # the ones below that overwrite some of them
-    for r0 in range(0, n_tiles * BLOCK_T, FILL):
-        r = r0 + tl.arange(0, FILL)
-        tl.store(rows_ptr + r, tl.zeros((FILL,), dtype=tl.int32) + n_pairs, mask=r < n_tiles * BLOCK_T)
-    for g0 in range(0, n_tiles, FILL):
-        g = g0 + tl.arange(0, FILL)
-        tl.store(tile_expert_ptr + g, tl.zeros((FILL,), dtype=tl.int32) + n_experts, mask=g < n_tiles)
-    tl.debug_barrier()
-    for j in range(0, tl.max(tiles, axis=0)):
-        tl.store(tile_expert_ptr + first_tile + j, e, mask=j < tiles)
-    start = first_tile * BLOCK_T
-    seen = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    if e == n_experts:  # unused tiles: padding rows, expert n_experts
+        used = tl.sum(tiles, axis=0)
+        for r0 in range(used * BLOCK_T, n_tiles * BLOCK_T, FILL):
+            r = r0 + tl.arange(0, FILL)
+            tl.store(rows_ptr + r, tl.zeros((FILL,), dtype=tl.int32) + n_pairs, mask=r < n_tiles * BLOCK_T)
+        for g0 in range(used, n_tiles, FILL):
+            g = g0 + tl.arange(0, FILL)
+            tl.store(tile_expert_ptr + g, tl.zeros((FILL,), dtype=tl.int32) + n_experts, mask=g < n_tiles)
+        return
+    mine = bins == e
+    first = tl.sum(tl.where(mine, first_tile, 0), axis=0)
+    n_tile = tl.sum(tl.where(mine, tiles, 0), axis=0)
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    start = first * BLOCK_T
+    seen = count * 0  # (a tensor: the loop carries it)
     for p0 in range(0, n_pairs, P_BLOCK):
-        i = tl.arange(0, P_BLOCK)
-        p = p0 + i
-        ids = tl.load(ids_ptr + p, mask=p < n_pairs, other=-1).to(tl.int32)
-        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [P_BLOCK, E_BLOCK]
-        earlier = ((ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])).to(tl.int32)
-        dest = tl.sum(onehot * (start + seen)[None, :], axis=1) + tl.sum(earlier, axis=1)
-        tl.store(rows_ptr + dest, p, mask=p < n_pairs)
-        seen += tl.sum(onehot, axis=0)
+        p = p0 + tl.arange(0, P_BLOCK)
+        hit = (tl.load(ids_ptr + p, mask=p < n_pairs, other=n_experts).to(tl.int32) == e).to(tl.int32)
+        tl.store(rows_ptr + start + seen + tl.cumsum(hit, axis=0) - 1, p, mask=hit != 0)
+        seen += tl.sum(hit, axis=0)
+    for r0 in range(start + count, start + n_tile * BLOCK_T, FILL):
+        r = r0 + tl.arange(0, FILL)
+        tl.store(rows_ptr + r, tl.zeros((FILL,), dtype=tl.int32) + n_pairs, mask=r < start + n_tile * BLOCK_T)
+    for g0 in range(first, first + n_tile, FILL):
+        g = g0 + tl.arange(0, FILL)
+        tl.store(tile_expert_ptr + g, tl.zeros((FILL,), dtype=tl.int32) + e, mask=g < first + n_tile)
 
 
 @triton.jit
@@ -362,9 +373,10 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
     """out[t] = ((0 + y[t, s_0]) + y[t, s_1]) + ... in fp32, s_0, s_1, ... the token's slots in
-    ascending expert id (ties in slot order): the order the reference adds experts in."""
+    ascending expert id (ties in slot order): the order the reference adds experts in.
+    GATHER: pair p = t * TOPK + s is row row_ptr[p] of y (else row p)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
@@ -375,7 +387,10 @@ def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: t
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for r in tl.static_range(TOPK):
         slot = tl.sum(tl.where((rank == r) & (j < TOPK), j, 0), axis=0)
-        total += tl.load(y_ptr + (t * TOPK + slot) * D + cols, mask=ok, other=0.0).to(tl.float32)
+        row = t * TOPK + slot
+        if GATHER:
+            row = tl.load(row_ptr + row)
+        total += tl.load(y_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * D + cols, total, mask=ok)
 
 
@@ -400,11 +415,9 @@ def align_by_expert(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
     rows = torch.empty(n_tiles * block_m, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     if n <= MOE["ALIGN_MAX_PAIRS"]:
-        e_block = triton.next_power_of_2(n_experts)
-        p_block = max(16, min(64, 8192 // e_block))
-        _align_kernel[(1,)](
+        _align_kernel[(n_experts + 1,)](
             flat_ids, rows, tile_expert, n, n_experts, n_tiles,
-            BLOCK_T=block_m, E_BLOCK=e_block, P_BLOCK=p_block, FILL=1024, num_warps=8 if e_block >= 256 else 4,
+            BLOCK_T=block_m, E_BLOCK=triton.next_power_of_2(n_experts + 1), P_BLOCK=ALIGN_P_BLOCK, FILL=256, num_warps=4,
         )
         return rows, tile_expert
     counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
@@ -422,13 +435,17 @@ def align_by_expert(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
     return rows, tile_expert
 
 
-def _slot_sums(y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 [T, D]: the sum of each token's k rows of y (bf16 [T * k, D], row = token * k +
-    slot) in ascending expert id (kernel 3)."""
+def _slot_sums(y: torch.Tensor, ids: torch.Tensor, pair_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [T, D]: the sum of each token's k rows of y (bf16 [T * k, D] contiguous; row =
+    token * k + slot, or pair_rows[token * k + slot] when given) in ascending expert id
+    (kernel 3)."""
     t, topk = ids.shape
     d = y.shape[1]
     out = torch.empty(t, d, dtype=torch.float32, device=y.device)
-    _sum_slots_kernel[(t, triton.cdiv(d, 1024))](y, ids, out, d, TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, num_warps=4)
+    _sum_slots_kernel[(t, triton.cdiv(d, 1024))](
+        y, ids, ids if pair_rows is None else pair_rows, out, d,
+        TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, GATHER=pair_rows is not None, num_warps=4,
+    )
     return out
 
 
@@ -451,7 +468,8 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     The pairs sorted by expert (stable: tokens ascending) form the groups; gate and up come
     out of one GEMM in bf16 (as the reference's linears round them), the clamped SwiGLU and
     the routing weight run in fp32 in one kernel and round to bf16, the down GEMM gives a bf16
-    row per pair, and kernel 3 sums a token's rows in ascending expert id in fp32. Nothing
+    row per pair (in expert order), and kernel 3 sums a token's rows in ascending expert id in
+    fp32, reading them through the inverse of the sort. Nothing
     syncs with the host (CUDA-graph capturable). The experts must fit `dense_fits`."""
     t, topk = topk_ids.shape
     n_experts, two_i, d = w13.shape
@@ -484,9 +502,11 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     down = torch._grouped_mm(act, g2.transpose(1, 2), offs=offs)
     if not weight_before_down:
         down = (down.float() * rw[:, None]).bfloat16()
-    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
-    y[order] = down
-    return _slot_sums(y, topk_ids.contiguous())
+    # the slot sum reads each pair's row where the expert order put it (scattering the rows
+    # back to pair order first was an extra [pairs, D] write and read: 1.3 ms of a layer's
+    # MoE at 8K tokens, device profile of the fourth session)
+    pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(n_pairs, device=x.device))
+    return _slot_sums(down, topk_ids.contiguous(), pair_rows)
 
 
 def _words(ptx: bool, w: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
