@@ -25,15 +25,18 @@ streams): x is [T, hc, D] bf16 (hc a power of two), every mix is fp32.
   the GEMM program that runs all chunks of a row tile (many row tiles: prefill), or one program
   per chunk writes its sum and the epilogue adds them in the same order (few row tiles: decode,
   filling the SMs). Same bits either way, so a row's mixes do not depend on the batch; both
-  modes end in the same epilogue code, whose per-row math never mixes rows.
+  modes end in the same epilogue code, whose per-row math never mixes rows and whose launch is
+  the same for every T (the layout of its tile sets the order of its sums).
 * `hc_collapse` (and `hc_collapse_norm` = collapse then `rms_norm`): sum_k pre_k * x_k in fp32,
   rounded to bf16 (then the RMSNorm of `ops.norm.rms_norm` with either weight rounding); one
   program per row.
 * `hc_expand` (V4.1's fp32 variant): out_k = post_k * y + sum_j comb[j, k] * residual_j in
   fp32, rounded once; programs over (row, column tile).
 
-Collapse and expand are compiled without fp contraction: each product is rounded before it is
-added, in the reference's order, as torch computes them. The epilogue uses IEEE divisions, a
+Collapse, expand and the mixes epilogue are compiled without fp contraction: each product is
+rounded before it is added, in the reference's order, as torch computes them (in the epilogue,
+whose sums are shuffles between lanes, a product fused into one lane's add would also leave the
+lanes of a row with different sums). The epilogue uses IEEE divisions, a
 correctly rounded rsqrt and an exp whose error does not grow with the argument (`_exp`), so
 pre/post/comb agree with the reference at fp32 rounding level (the device check's rule: against
 fp64, within 2x the fp32 torch reference's own error). Everything is sized from shapes only (no
@@ -51,10 +54,12 @@ from dsv4.ops.triton.fp8_gemm import num_sms
 # GEMM tiling: rows per program (fixed for every T: a row's product must not depend on its
 # batch), K step, chunk (the unit of the split and of the fixed-order chunk sum; 40 chunks at
 # hc*D = 20480: enough programs for decode, and in split mode the partial sums write 1/8 of
-# x's bytes and read them back); the epilogue's rows per program. 8 warps: with 4, ptxas needs
-# 255 registers and spills on sm_90 (x is both a tensor-core operand and squared in
-# registers). check_kernels.py times alternatives.
-CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 512, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 32}
+# x's bytes and read them back). 8 warps: with 4, ptxas needs 255 registers and spills on
+# sm_90 (x is both a tensor-core operand and squared in registers). check_kernels.py times
+# alternatives. EPI_BLOCK_T: the epilogue's rows per program, on one warp: at hc = 4 its
+# 2 x 4 x 4 comb tile is one entry per lane (why: `_mixes_epilogue_kernel`); fixed for every T
+# like BLOCK_T, since the tile's layout sets the order of the epilogue's sums.
+CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 512, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
 # Columns per program of `hc_expand`.
 EXPAND_BLOCK_D = 1024
 
@@ -130,7 +135,16 @@ def _mixes_epilogue_kernel(
     CHUNKS: tl.constexpr, HC: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Chunk sums added in order, then pre = sigmoid(m * rsqrt * s0 + b) + eps, post = 2 *
-    sigmoid(...), comb = Sinkhorn(softmax(...)) exactly as `ops.mhc.hc_mixes` orders them."""
+    sigmoid(...), comb = Sinkhorn(softmax(...)) exactly as `ops.mhc.hc_mixes` orders them.
+
+    The time is the chain of dependent operations a thread runs (a few rows, 2 * iters
+    normalisations). ptxas gives every div_rn its own branch region (the slow path is a call),
+    so one thread's divisions run one after another. The launch (CONFIG) puts one comb entry in
+    each lane at HC = 4 (2 rows x 16 entries, one warp): a normalisation is then one division
+    per lane after its sum's log2(HC) butterfly shuffles. With more entries per lane Triton
+    vectorises the loads and keeps a comb row in one thread, which then runs HC divisions per
+    normalisation (and the sums' order changes with the layout: the launch is fixed for every
+    T)."""
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = rt < T
     h = tl.arange(0, HC)
@@ -206,7 +220,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     _mixes_epilogue_kernel[(triton.cdiv(t, ebt),)](
         part, base.contiguous(), scale.contiguous(), pre, post, comb,
         t, k, t * np_, iters, norm_eps, hc_eps,
-        CHUNKS=split, HC=hc, NP=np_, BLOCK_T=ebt, num_warps=4,
+        CHUNKS=split, HC=hc, NP=np_, BLOCK_T=ebt, num_warps=1, enable_fp_fusion=False,
     )
     return pre, post, comb
 
