@@ -697,11 +697,14 @@ def test_sparse_attention_launch_plan(monkeypatch):
         tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, LOGIT_BLOCK_H=8))
     # the H200's 132 SMs: one token gets one tile per program and 16-head blocks (20 logits
     # programs), 8 tokens 32-head blocks (80), 64 tokens all 64 heads in runs of 2 tiles (192),
-    # 256 one program; PV programs stay within half the SMs (8 slices up to 8 tokens, 64 x 1)
+    # 256 one program (16 tokens: 64-head blocks); PV: 16 slices of 64-key tiles while they
+    # fit one wave (up to 8 tokens), then within half the SMs (16 tokens x 4 slices, 64 x 1)
+    # with 32-key tiles
     monkeypatch.setattr(tattn, "num_sms", lambda device: 132)
-    plans = {t: tattn.launch_plan(t, 64, 512, 128, 512, cpu, cfg) for t in (1, 8, 64, 256)}
-    assert [(p["LOGIT_BLOCK_H"], p["tiles_per_program"]) for p in plans.values()] == [(16, 1), (32, 1), (64, 2), (64, 5)]
-    assert [p["DSPLIT"] for p in plans.values()] == [8, 8, 1, 1]
+    plans = {t: tattn.launch_plan(t, 64, 512, 128, 512, cpu, cfg) for t in (1, 8, 16, 64, 256)}
+    assert [(p["LOGIT_BLOCK_H"], p["tiles_per_program"]) for p in plans.values()] == [(16, 1), (32, 1), (64, 1), (64, 2), (64, 5)]
+    assert [(p["DSPLIT"], p["PV_BLOCK_N"]) for p in plans.values()] == [(16, 64), (16, 64), (4, 32), (1, 32), (1, 32)]
+    assert tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, PV_BLOCK_N=16))["PV_BLOCK_N"] == 16
 
 
 # ----------------------------------------------------------------------------------- sm_90 build

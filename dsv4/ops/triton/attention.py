@@ -67,20 +67,23 @@ CKV_SCALE_BLOCK = tl.constexpr(16)  # E4M3 scale per 16 channels of a compressed
 # logits tile (the rows of S^T: 128 = one 64-row wgmma per warpgroup at 8 warps), which is also
 # the unit of the softmax statistics; PIECE channel pairs dequantised per operand piece;
 # PV_BLOCK_N keys per PV tile; DSPLIT output-channel slices per (token, head block) in the PV
-# kernel (1: all channels; 2: the even or the odd ones; 4, 8: those cut into 2, 4 ranges of
-# channel pairs); TILES_PER_PROGRAM logits tiles per program. "auto" picks LOGIT_BLOCK_H and
-# the last two from the batch size to fill the SMs. LOGIT_BLOCK_N, PIECE and PV_BLOCK_N decide
-# the rounding (so they are fixed, not tuned per batch); LOGIT_BLOCK_H, DSPLIT and
-# TILES_PER_PROGRAM do not change a bit.
+# kernel (1: all channels; 2: the even or the odd ones; 4 .. 32: those cut into 2 .. 16 ranges
+# of channel pairs); TILES_PER_PROGRAM logits tiles per program. "auto" picks LOGIT_BLOCK_H and
+# the last two from the batch size to fill the SMs, and PV_BLOCK_N from DSPLIT. LOGIT_BLOCK_N
+# and PIECE decide the rounding (so they are fixed, not tuned per batch); LOGIT_BLOCK_H, DSPLIT,
+# TILES_PER_PROGRAM and PV_BLOCK_N do not change a bit (PV_BLOCK_N: a 64-key tile is the same
+# chain of k16 wgmmas into the accumulator as two 32-key tiles; same bits on the H200, S4-2).
 # Registers and spills of every variant: scripts/check_kernels.py --compile-only; timings:
 # its `attention_sweep` section.
 CONFIG = {
     "BLOCK_H": 64, "LOGIT_BLOCK_H": "auto", "LOGIT_BLOCK_N": 128, "PIECE": 32, "logit_warps": 8, "logit_stages": 2, "TILES_PER_PROGRAM": "auto",
-    "PV_BLOCK_N": 32, "DSPLIT": "auto", "pv_warps": 8, "pv_stages": 3,
+    "PV_BLOCK_N": "auto", "DSPLIT": "auto", "pv_warps": 8, "pv_stages": 3,
 }
 # pv_stages 3 (was 2): equal or faster at every size in attention_sweep S3-2 (T=1 50.2 -> 48.7 us,
 # T=8 52.8 -> 50.2, T=256 300 -> 296, a 4096-token chunk 4.12 -> 4.09 ms, T=64 level).
-DSPLITS = (1, 2, 4, 8)
+DSPLITS = (1, 2, 4, 8, 16, 32)
+AUTO_DSPLITS = (1, 2, 4, 8)  # "auto" above a few tokens (below: WIDE_DSPLIT)
+WIDE_DSPLIT = 16  # "auto" while tokens x 16 slices fit in one wave of programs
 LOGIT_BLOCK_HS = (64, 32, 16)  # widest first; 16 is the narrowest wgmma N worth a program
 
 
@@ -332,12 +335,14 @@ def _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk) -> N
 
 def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch.device, cfg: dict) -> dict:
     """Grid choices of a call: logits tiles, logits head block, logits programs per (token, head
-    block) and PV channel slices ("auto"; none of them changes any result). Logits: the widest
-    head block that gives at least half as many programs as SMs (a narrower block dequantises
-    every key again), tiles spread over programs up to one program per SM. PV: the most
-    channel slices that keep the programs within half the SMs. (attention_sweep, device call
-    S3-1: DSPLIT 1 instead of 4 took T=64 from 139 to 115 us, LOGIT_BLOCK_H 32 instead of 16
-    T=8 from 61 to 54 us; at T = 1 and 256 these rules pick what the old ones did.)"""
+    block), PV channel slices and PV key tile ("auto"; none of them changes any result).
+    Logits: the widest head block that gives at least half as many programs as SMs (a narrower
+    block dequantises every key again), tiles spread over programs up to one program per SM.
+    PV: 16 channel slices while they fit in one wave, else the most slices that keep the
+    programs within half the SMs. (attention_sweep, device call S3-1: DSPLIT 1 instead of 4
+    took T=64 from 139 to 115 us, LOGIT_BLOCK_H 32 instead of 16 T=8 from 61 to 54 us; S4-2:
+    16 slices of 64-key tiles instead of 8 of 32 took T=1 from 47.9 to 35.5 us and T=8 from
+    49.5 to 39.3, while at T=64 two slices were 25% slower than one.)"""
     bh = cfg["BLOCK_H"]
     n_tiles = triton.cdiv(window, cfg["LOGIT_BLOCK_N"]) + triton.cdiv(n_top, cfg["LOGIT_BLOCK_N"])
     rows = t * triton.cdiv(h, bh)
@@ -353,11 +358,23 @@ def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch
         tiles = triton.cdiv(n_tiles, max(1, min(n_tiles, triton.cdiv(sms, logit_rows))))
     dsplit = cfg["DSPLIT"]
     if dsplit == "auto":
-        dsplit = max((d for d in DSPLITS if rows * d <= sms // 2), default=1)
+        if rows * WIDE_DSPLIT <= sms:
+            dsplit = WIDE_DSPLIT
+        else:
+            dsplit = max((d for d in AUTO_DSPLITS if rows * d <= sms // 2), default=1)
     if dsplit not in DSPLITS:
         raise ValueError(f"sparse_attention: DSPLIT must be 'auto' or one of {DSPLITS}, got {dsplit!r}")
     dsplit = min(dsplit, dim // (RING_SCALE_BLOCK.value // 2))  # a slice holds whole ring scale groups
-    return {"n_tiles": n_tiles, "LOGIT_BLOCK_H": lbh, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit}
+    return {"n_tiles": n_tiles, "LOGIT_BLOCK_H": lbh, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit,
+            "PV_BLOCK_N": pv_block_n(dsplit, cfg)}
+
+
+def pv_block_n(dsplit: int, cfg: dict) -> int:
+    """Keys per PV tile: cfg's, or for "auto" 64 at 8 or more channel slices (half as many
+    tiles one after another; a 64-key stage of all 512 channels, DSPLIT 1, would need 280 KB
+    of shared memory), else 32."""
+    bn = cfg["PV_BLOCK_N"]
+    return (64 if dsplit >= 8 else 32) if bn == "auto" else bn
 
 
 def sparse_attention(
@@ -420,7 +437,7 @@ def sparse_attention(
         logits, stats, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, sink, out,
         h, n_top, n_keys,
         kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-        WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=cfg["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"],
+        WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=plan["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"],
         num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"],
     )
     return out
