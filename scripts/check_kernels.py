@@ -299,7 +299,7 @@ def moe_case(t: int, data: tuple, dense: tuple) -> None:
     if t <= max(SWEEP_TOKENS):  # as decode runs it: from a CUDA graph, each call with its own routing
         calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in moe_routings(t, e, seed=t)]
         record("moe_experts", case, "triton_graph", experts_used=used, **perf(graph_time(calls, reps=5), w_bytes + io, flops, "bf16"))
-    if t >= 256:  # the prefill path
+    if t >= 256 and moe.dense_fits(w13):  # the prefill path (where the layer could take it)
         err = norm_err(moe.moe_experts_dense(xt, it, wt, w13, s13, w2, s2, 10.0, True), ref)
         t_d = median_time(lambda: moe.moe_experts_dense(xt, it, wt, w13, s13, w2, s2, 10.0, True), reps=5)
         record("moe_experts", case, "dense_grouped", ok=err <= 4 * 2**-8, err=err, experts_used=used, **perf(t_d, w_bytes + io, flops, "bf16"))
@@ -457,7 +457,13 @@ SWEEP_TOKENS = (1, 8, 64, 256)  # MoE section: the sizes also timed from a CUDA 
 # (experts, tokens) of the MoE sweep, as the model calls it: the routed experts plus the shared
 # one as the last expert (every token's 7th slot, weight 1); V4.1-Flash and the 64-expert
 # benchmark config
-SWEEP_MOE = ((385, (1, 8, 64, 256)), (65, (1, 8, 64)))
+SWEEP_MOE = ((385, (1, 8, 64, 256)), (65, (1, 8, 64, 256)))
+# A device call can narrow the sweeps (the whole of both takes several minutes):
+# SWEEP_ROWS="256" (w8a16 rows), SWEEP_MOE="65:64,256;385:1" (experts:tokens per shape)
+if os.environ.get("SWEEP_ROWS"):
+    SWEEP_ROWS = tuple(int(m) for m in os.environ["SWEEP_ROWS"].split(","))
+if os.environ.get("SWEEP_MOE"):
+    SWEEP_MOE = tuple((int(e), tuple(int(t) for t in ts.split(","))) for e, ts in (part.split(":") for part in os.environ["SWEEP_MOE"].split(";")))
 SWEEP_WORKERS = 8
 SWEEP_ROUTINGS = 4  # MoE calls per graph, each with its own routing
 ROTATE_BYTES = 192 << 20  # weight bytes the calls of one graph cycle through (> 3x the L2)
@@ -492,7 +498,10 @@ MOE_TILES = {
          ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 64, 4, 2), (64, 64, 4, 3)), ((64, 128, 4, 2), (128, 128, 4, 2)),
          ((64, 128, 4, 3, True), (128, 128, 4, 3)), ((64, 64, 4, 3, True), (64, 64, 4, 3))],
     64: [((64, 128, 4, 3), (128, 128, 4, 3)), ((128, 64, 8, 4), (128, 64, 8, 4)), ((64, 64, 4, 4), (64, 128, 4, 3)),
-         ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 64, 4, 2), (64, 64, 4, 3))],
+         ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 64, 4, 2), (64, 64, 4, 3)),
+         # 256 tokens of 65 experts (~27 pairs each, one 64-row tile): 39% of the floor in the
+         # fourth session's profile; stacked gate/up and fewer stages for more programs per SM
+         ((64, 128, 4, 3, True), (128, 128, 4, 3)), ((64, 128, 4, 2, True), (128, 128, 4, 2)), ((128, 128, 8, 2, True), (128, 128, 8, 2))],
     128: [((64, 64, 4, 3), (128, 64, 8, 3))],
 }
 SWEEP_RESULTS: list[dict] = []  # every candidate's outcome, for the suggested knobs
@@ -1012,6 +1021,12 @@ ATTN_SWEEP = [
     {"pv_stages": 2},
     {"pv_warps": 4, "DSPLIT": 8},
     {"LOGIT_BLOCK_N": 64, "logit_warps": 4},
+    # decode's PV runs 8 programs at T=1, each through 20 key tiles in turn: more channel
+    # slices, or half as many (wider) tiles
+    {"DSPLIT": 16},
+    {"DSPLIT": 32},
+    {"DSPLIT": 8, "PV_BLOCK_N": 64},  # (at DSPLIT 1, 64-key tiles need 280 KB of shared memory)
+    {"DSPLIT": 16, "PV_BLOCK_N": 64},
 ]
 ATTN_SWEEP_ROWS = (1, 8, 64, 256, 4096)
 ATTN_SWEEP_SECONDS = 50.0  # compile warm-up included; candidates left when this runs out are skipped (and reported)
@@ -1037,7 +1052,7 @@ def attention_spreads(cand: dict) -> set[tuple[int, int, bool]]:
         plans = [attention.launch_plan(t, ATTN_SHAPE["h"], ATTN_SHAPE["dim"], ATTN_SHAPE["window"], ATTN_SHAPE["top"], torch.device("cuda"), cfg) for t in ATTN_SWEEP_ROWS]
         return {(p["LOGIT_BLOCK_H"], p["DSPLIT"], p["tiles_per_program"] == 1) for p in plans}
     heads = attention.LOGIT_BLOCK_HS if cfg["LOGIT_BLOCK_H"] == "auto" else (cfg["LOGIT_BLOCK_H"],)
-    splits = attention.DSPLITS if cfg["DSPLIT"] == "auto" else (cfg["DSPLIT"],)
+    splits = attention.AUTO_DSPLITS if cfg["DSPLIT"] == "auto" else (cfg["DSPLIT"],)
     return {(b, d, False) for b in heads for d in splits}
 
 
@@ -1060,7 +1075,7 @@ def attention_pv_variants() -> list[dict]:
     out = []
     for c in ATTN_SWEEP:
         cfg = {**attention.CONFIG, **c}
-        out.extend({**{k: cfg[k] for k in ATTN_PV_KEYS}, "DSPLIT": d} for d in sorted({d for _, d, _ in attention_spreads(c)}))
+        out.extend({**{k: cfg[k] for k in ATTN_PV_KEYS}, "DSPLIT": d, "PV_BLOCK_N": attention.pv_block_n(d, cfg)} for d in sorted({d for _, d, _ in attention_spreads(c)}))
     return _distinct(out)
 
 
@@ -1961,11 +1976,13 @@ def compile_targets() -> list[tuple]:
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
         out.append((label, moe._gate_up_kernel, gate_up, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     align = {"ids_ptr": "*i64:16", "rows_ptr": "*i32:16", "tile_expert_ptr": "*i32:16", "n_pairs": i, "n_experts": i, "n_tiles": i}
-    for e_block in (64, 512):
+    for e_block in (128, 512):
         bt = moe.MOE["rows"][0][1]["BLOCK_T"]
-        consts = {"BLOCK_T": bt, "E_BLOCK": e_block, "P_BLOCK": max(16, min(64, 8192 // e_block)), "FILL": 1024}
-        out.append((f"moe align E<={e_block}", moe._align_kernel, align, consts, {"num_warps": 8 if e_block >= 256 else 4}))
-    out.append(("moe slot sum", moe._sum_slots_kernel, {"y_ptr": "*bf16:16", "ids_ptr": "*i64:16", "out_ptr": "*fp32:16", "D": a}, {"TOPK": 6, "K_BLOCK": 8, "BLOCK": 1024}, {"num_warps": 4}))
+        consts = {"BLOCK_T": bt, "E_BLOCK": e_block, "P_BLOCK": moe.ALIGN_P_BLOCK, "FILL": 256}
+        out.append((f"moe align E<{e_block}", moe._align_kernel, align, consts, {"num_warps": 4}))
+    for gather in (False, True):
+        out.append((f"moe slot sum{' gathered' if gather else ''}", moe._sum_slots_kernel, {"y_ptr": "*bf16:16", "ids_ptr": "*i64:16", "row_ptr": "*i64:16", "out_ptr": "*fp32:16", "D": a},
+                    {"TOPK": 6, "K_BLOCK": 8, "BLOCK": 1024, "GATHER": gather}, {"num_warps": 4}))
     dequant = {"w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "N": a, "K": a, "stride_wn": a, "stride_sn": a, "stride_on": a}
     for qrows, qcols in ((32, 32), (1, 32)):
         out.append((f"dequant fp8 scales {qrows}x{qcols}", fp8_gemm._dequant_kernel, dequant,
@@ -2073,7 +2090,7 @@ def mhc_compile_targets() -> list[tuple]:
     epi = {n: "*fp32" for n in ("part_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")}
     epi.update(T=i, K=i, stride_part=i, iters=i, norm_eps=f, hc_eps=f)
     for chunks in (1, mhc.mixes_chunks(4 * 5120)[1]):
-        out.append((f"mhc mixes epilogue chunks={chunks}", mhc._mixes_epilogue_kernel, epi, {"CHUNKS": chunks, "HC": 4, "NP": 32, "BLOCK_T": cfg["EPI_BLOCK_T"]}, {"num_warps": 4}))
+        out.append((f"mhc mixes epilogue chunks={chunks}", mhc._mixes_epilogue_kernel, epi, {"CHUNKS": chunks, "HC": 4, "NP": 32, "BLOCK_T": cfg["EPI_BLOCK_T"]}, {"num_warps": 1, "enable_fp_fusion": False}))
     col = {"x_ptr": "*bf16", "pre_ptr": "*fp32", "out_ptr": "*bf16", "D": i, "stride_xt": i, "stride_xh": i, "stride_ot": i, "eps": f}
     for norm, fp32_w, d in ((False, False, 5120), (True, False, 5120), (True, True, 4096)):
         types = dict(col, w_ptr="*fp32" if fp32_w or not norm else "*bf16")
