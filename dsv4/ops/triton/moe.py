@@ -100,16 +100,17 @@ MOE = {
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
-        (16, {  # 2 stages (more programs per SM): 975 vs 1013 us at T=64 of 65 experts, 5.76 vs
-            # 5.86 ms at T=256 of 385 (moe_sweep S3-4; 3 stages had beaten 4 in device run 2)
+        (16, {  # stacked gate/up at 3 stages: 966 -> 936 us at T=64 of 65 experts (gemm_sweep
+            # S4-3; 2 stages had beaten 3 unstacked in S3-4: 975 vs 1013 us)
             "BLOCK_T": 32,
-            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
-            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
-        }),
-        (48, {
-            "BLOCK_T": 64,
-            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+        }),
+        (48, {  # stacked gate/up, 2 stages: 1376 -> 1210 us at T=256 of 65 experts (~27 pairs
+            # per expert; gemm_sweep S4-3)
+            "BLOCK_T": 64,
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "STACK": True},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
         }),
         (None, {
             "BLOCK_T": 128,  # gate_up: two [64, 128] fp32 accumulators, 243 registers at 4 warps
