@@ -61,7 +61,7 @@ TOLERANCE = {
     "hash_ids": 0.0, "lookup": 0.0, "gate": 1e-2,
     # compact FP8 weights only run on the GPU (CPU runs load dequantised weights)
     "fp8_linear_w8a16": 1e-2, "moe_experts": 2e-2, "moe_experts_dense": 2e-2,
-    "route_scores": 1e-6,  # the same experts (else inf); weights to fp32 rounding
+    "route_scores": 1e-5,  # the same experts (else inf); weights to fp32 rounding of the logits (summed in another order than cuBLAS's)
 }
 
 

@@ -355,16 +355,19 @@ def section_moe_prefill() -> None:
 
 
 def router_case(t: int, e: int) -> None:
-    """The fused router epilogue against its torch code (`ops.moe.route_scores` under
-    torch_only), both replayed from CUDA graphs (in a decode step they are launch bound)."""
+    """The router (fp32 gate GEMM + routing kernel) against its torch code (`ops.moe.route_scores`
+    under torch_only: cuBLAS fp32 GEMM and torch ops), both replayed from CUDA graphs (in a
+    decode step they are launch bound). The same experts; weights within 1e-5 (the logits'
+    fp32 sums in another order)."""
     import dsv4.ops
     from dsv4.ops import moe as moe_ops
     from dsv4.ops.triton import router
 
     g = torch.Generator(device="cuda").manual_seed(t + e)
-    logits = torch.randn(t, e, device="cuda", generator=g) * 3
+    x = torch.randn(t, 5120, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(e, 5120, device="cuda", generator=g) * 0.04
     bias = torch.randn(e, device="cuda", generator=g) * 0.1
-    args = (logits, bias, 6, 1.5, 2.5, True, e)
+    args = (x, gate, bias, 6, 1.5, 2.5, True, e)
     def torch_call():
         with dsv4.ops.torch_only():
             return moe_ops.route_scores(*args)
@@ -374,8 +377,9 @@ def router_case(t: int, e: int) -> None:
     same = torch.equal(ids, rids)
     err = rel_err(w, rw)
     case = f"T={t} E={e} k=6+1"
-    record("router", case, "triton_graph", ok=same and err <= 1e-6, same_ids=same, err=err, **perf(graph_time([lambda: router.route_scores(*args)]), t * e * 4, 0, "bf16"))
-    record("router", case, "torch_graph", **perf(graph_time([torch_call]), t * e * 4, 0, "bf16"))
+    nbytes, flops = e * 5120 * 4 + t * 5120 * 2, 2 * t * e * 5120
+    record("router", case, "triton_graph", ok=same and err <= 1e-5, same_ids=same, err=err, **perf(graph_time([lambda: router.route_scores(*args)]), nbytes, flops, "bf16"))
+    record("router", case, "torch_graph", **perf(graph_time([torch_call]), nbytes, flops, "bf16"))
 
 
 def section_router() -> None:
@@ -1983,6 +1987,15 @@ def compile_targets() -> list[tuple]:
     for gather in (False, True):
         out.append((f"moe slot sum{' gathered' if gather else ''}", moe._sum_slots_kernel, {"y_ptr": "*bf16:16", "ids_ptr": "*i64:16", "row_ptr": "*i64:16", "out_ptr": "*fp32:16", "D": a},
                     {"TOPK": 6, "K_BLOCK": 8, "BLOCK": 1024, "GATHER": gather}, {"num_warps": 4}))
+    import triton
+
+    from dsv4.ops.triton import mhc, router
+
+    route = {"part_ptr": "*fp32:16", "bias_ptr": "*fp32:16", "weights_ptr": "*fp32:16", "ids_ptr": "*i64:16", "E": "i32", "stride_part": "i32", "stride_l": "i32",
+             "temp": f, "scale": f, "extra_id": "i32"}
+    for e, chunks in ((64, 1), (384, mhc.fp32_chunks(5120)[1])):
+        out.append((f"router E={e} chunks={chunks}", router._route_kernel, route,
+                    {"CHUNKS": chunks, "TOP_K": 6, "NORMALIZE": True, "EXTRA": True, "E_BLOCK": triton.next_power_of_2(e), "K_BLOCK": 8}, {"num_warps": 4 if e > 256 else 1}))
     dequant = {"w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "N": a, "K": a, "stride_wn": a, "stride_sn": a, "stride_on": a}
     for qrows, qcols in ((32, 32), (1, 32)):
         out.append((f"dequant fp8 scales {qrows}x{qcols}", fp8_gemm._dequant_kernel, dequant,
@@ -2085,11 +2098,13 @@ def mhc_compile_targets() -> list[tuple]:
 
     i, f = "i32", "fp32"
     cfg = mhc.CONFIG
-    gemm = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "T": i, "N": i, "K": i, "stride_x": i, "stride_fn": i, "stride_part": i, "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
-    out = [("mhc mixes gemm", mhc._mixes_gemm_kernel, gemm, {"NP": 32, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_K": cfg["BLOCK_K"]}, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})]
+    gemm = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "T": i, "N": i, "K": i, "stride_x": i, "stride_w": i, "stride_part": i, "stride_row": i,
+            "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
+    out = [(f"fp32 gemm {label}", mhc._fp32_gemm_kernel, gemm, {"SUMSQ": sumsq, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": n, "BLOCK_K": cfg["BLOCK_K"]},
+            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}) for label, sumsq, n in (("mhc mixes", True, 32), ("router", False, mhc.MAX_BLOCK_N))]
     epi = {n: "*fp32" for n in ("part_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")}
     epi.update(T=i, K=i, stride_part=i, iters=i, norm_eps=f, hc_eps=f)
-    for chunks in (1, mhc.mixes_chunks(4 * 5120)[1]):
+    for chunks in (1, mhc.fp32_chunks(4 * 5120)[1]):
         out.append((f"mhc mixes epilogue chunks={chunks}", mhc._mixes_epilogue_kernel, epi, {"CHUNKS": chunks, "HC": 4, "NP": 32, "BLOCK_T": cfg["EPI_BLOCK_T"]}, {"num_warps": 1, "enable_fp_fusion": False}))
     col = {"x_ptr": "*bf16", "pre_ptr": "*fp32", "out_ptr": "*bf16", "D": i, "stride_xt": i, "stride_xh": i, "stride_ot": i, "eps": f}
     for norm, fp32_w, d in ((False, False, 5120), (True, False, 5120), (True, True, 4096)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.ops import elementwise, on_triton
+from dsv4.ops.linear import linear
 
 
 def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
@@ -28,17 +29,17 @@ def route(scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, fixed: to
     return weights * routed_scale, indices
 
 
-def route_scores(logits: torch.Tensor, bias: torch.Tensor, top_k: int, temp: float, routed_scale: float, normalize: bool,
+def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, temp: float, routed_scale: float, normalize: bool,
                  extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """V4.1's learned routing from the gate GEMM's fp32 logits [T, E] -> (weights fp32, ids
-    int64), [T, k] or with `extra_expert` appended to every token at weight 1, [T, k + 1]:
-    scores sqrtsoftplus(logits / temp), selection by `route`. One Triton kernel on the GPU
-    (`dsv4.ops.triton.router`)."""
-    if on_triton(logits):
+    """V4.1's learned routing of hidden states x [T, D] by the fp32 gate [E, D] -> (weights
+    fp32, ids int64), [T, k] or with `extra_expert` appended to every token at weight 1,
+    [T, k + 1]: logits x @ gate^T in fp32, scores sqrtsoftplus(logits / temp), selection by
+    `route`. Two Triton kernels on the GPU for bf16 x (`dsv4.ops.triton.router`)."""
+    if on_triton(x) and x.dtype == torch.bfloat16:
         from dsv4.ops.triton import router
 
-        return router.route_scores(logits, bias, top_k, temp, routed_scale, normalize, extra_expert)
-    weights, indices = route(sqrtsoftplus(logits / temp), bias, top_k, None, routed_scale, normalize)
+        return router.route_scores(x, gate, bias, top_k, temp, routed_scale, normalize, extra_expert)
+    weights, indices = route(sqrtsoftplus(linear(x.float(), gate) / temp), bias, top_k, None, routed_scale, normalize)
     weights = weights.float()
     if extra_expert is not None:
         indices = torch.cat([indices, torch.full_like(indices[:, :1], extra_expert)], dim=1)

@@ -297,7 +297,7 @@ def test_hc_mixes_accuracy_and_split(t, hc, d, iters, monkeypatch):
     args = (fn.to(DEVICE), base.to(DEVICE), scale.to(DEVICE), hc, iters, 1e-6, 1e-6)
     ref = mhc.hc_mixes(x, fn, base, scale, hc, iters, 1e-6, 1e-6)  # CPU: the torch reference
     exact = mhc.hc_mixes_fp64(x, fn, base, scale, hc, iters, 1e-6, 1e-6)
-    assert tmhc.mixes_chunks(hc * d)[1] > 1
+    assert tmhc.fp32_chunks(hc * d)[1] > 1
     outs = {}
     for sms in (1, 1000):  # never / always split
         monkeypatch.setattr(tmhc, "num_sms", lambda device, sms=sms: sms)

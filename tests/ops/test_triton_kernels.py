@@ -769,31 +769,61 @@ def test_moe_experts_dense_rejects_bad_inputs(monkeypatch):
 # ----------------------------------------------------------------------------------- router
 
 
+def _router_case(t: int, e: int, d: int, seed: int):
+    """bf16 hidden states and an fp32 gate whose row 0 of logits is exactly 25, -30, 21, 19.5
+    on its first experts (x[0] is one-hot: softplus's linear branch and its small tail)."""
+    g = _gen(seed)
+    x = (torch.randn(t, d, generator=g) * 0.5).bfloat16()
+    x[0] = 0
+    x[0, 0] = 1
+    gate = torch.randn(e, d, generator=g) * 0.3
+    gate[:4, 0] = torch.tensor([25.0, -30.0, 21.0, 19.5])
+    return x, gate, torch.randn(e, generator=g) * 0.1
+
+
 @pytest.mark.parametrize("t,e,k,normalize,extra", [(5, 64, 6, True, 64), (3, 384, 6, True, None), (4, 8, 1, False, None), (2, 20, 3, False, 20)])
-def test_route_scores_matches_reference(t, e, k, normalize, extra):
+def test_route_scores_matches_reference(t, e, k, normalize, extra, monkeypatch):
+    """The fp32 gate GEMM (3 K chunks) and the routing against the torch path: the same experts
+    in the same (descending) order, weights to fp32 rounding of the logits."""
     from dsv4.ops import moe as moe_ops
+    from dsv4.ops.triton import mhc as tmhc
     from dsv4.ops.triton import router
 
-    g = _gen(t * e + k)
-    logits = torch.randn(t, e, generator=g) * 3
-    logits[0, :4] = torch.tensor([25.0, -30.0, 21.0, 19.5])  # softplus's linear branch and its small tail
-    bias = torch.randn(e, generator=g) * 0.1
-    want_w, want_ids = moe_ops.route_scores(logits, bias, k, 1.7, 2.5, normalize, extra)
-    got_w, got_ids = router.route_scores(logits.to(DEVICE), bias.to(DEVICE), k, 1.7, 2.5, normalize, extra)
+    monkeypatch.setitem(tmhc.CONFIG, "CHUNK", 128)
+    x, gate, bias = _router_case(t, e, 320, seed=t * e + k)
+    want_w, want_ids = moe_ops.route_scores(x, gate, bias, k, 1.7, 2.5, normalize, extra)  # CPU: torch
+    got_w, got_ids = router.route_scores(x.to(DEVICE), gate.to(DEVICE), bias.to(DEVICE), k, 1.7, 2.5, normalize, extra)
     width = k + (extra is not None)
     assert got_w.shape == got_ids.shape == (t, width) and got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
-    # the same experts in the same (descending) order; weights to fp32 rounding
     assert torch.equal(got_ids.cpu(), want_ids)
-    assert torch.allclose(got_w.cpu(), want_w, rtol=4e-7, atol=0)
+    assert torch.allclose(got_w.cpu(), want_w, rtol=1e-5, atol=0)
+
+
+def test_route_scores_rows_do_not_depend_on_batch(monkeypatch):
+    """A token alone (one row tile, one program per K chunk) gets the bits it gets in a batch of
+    150 (three row tiles, every chunk in one program on the interpreter's 4 'SMs')."""
+    from dsv4.ops.triton import mhc as tmhc
+    from dsv4.ops.triton import router
+
+    monkeypatch.setitem(tmhc.CONFIG, "CHUNK", 128)
+    x, gate, bias = (a.to(DEVICE) for a in _router_case(150, 64, 320, seed=5))
+    assert tmhc.fp32_gemm_parts(x[:1], gate, False).shape[0] == 3 and tmhc.fp32_gemm_parts(x, gate, False).shape[0] == 1
+    batch = router.route_scores(x, gate, bias, 6, 1.7, 2.5, True, 64)
+    for i in (0, 77, 149):
+        alone = router.route_scores(x[i : i + 1], gate, bias, 6, 1.7, 2.5, True, 64)
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(alone, batch))
 
 
 def test_route_scores_breaks_ties_by_lowest_id_and_rejects_bad_inputs():
     from dsv4.ops.triton import router
 
-    logits = torch.zeros(2, 8)
-    w, ids = router.route_scores(logits.to(DEVICE), torch.zeros(8, device=DEVICE), 3, 1.0, 1.0, True)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)  # every logit exactly 0
+    gate = torch.randn(8, 64, generator=_gen(1)).to(DEVICE)
+    w, ids = router.route_scores(x, gate, torch.zeros(8, device=DEVICE), 3, 1.0, 1.0, True)
     assert ids.cpu().tolist() == [[0, 1, 2], [0, 1, 2]] and torch.allclose(w.cpu(), torch.full((2, 3), 1 / 3))
     with pytest.raises(ValueError, match="top_k"):
-        router.route_scores(logits.to(DEVICE), torch.zeros(8, device=DEVICE), 9, 1.0, 1.0, True)
-    with pytest.raises(ValueError, match="fp32"):
-        router.route_scores(logits.bfloat16().to(DEVICE), torch.zeros(8, device=DEVICE), 2, 1.0, 1.0, True)
+        router.route_scores(x, gate, torch.zeros(8, device=DEVICE), 9, 1.0, 1.0, True)
+    with pytest.raises(ValueError, match="bf16"):
+        router.route_scores(x.float(), gate, torch.zeros(8, device=DEVICE), 2, 1.0, 1.0, True)
+    with pytest.raises(ValueError, match="gate fp32"):
+        router.route_scores(x, gate.bfloat16(), torch.zeros(8, device=DEVICE), 2, 1.0, 1.0, True)

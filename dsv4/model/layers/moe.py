@@ -87,7 +87,7 @@ class MoE:
         cfg = self.cfg
         if self.v41:  # learned routing only; the shared expert joins as the last slot when it is in the stack
             shared_id = self.grouped[0].shape[0] - 1 if self.shared_in_grouped else None
-            weights, indices = moe_ops.route_scores(linear(x.float(), self.gate), self.bias, self.top_k, cfg.gate_temp,
+            weights, indices = moe_ops.route_scores(x, self.gate, self.bias, self.top_k, cfg.gate_temp,
                                                     cfg.routed_scaling_factor, cfg.norm_topk_prob, shared_id)
             if trace is not None:
                 trace.setdefault(f"{tag}.experts", []).append(indices[:, : self.top_k].sort(dim=-1).values)

@@ -5,8 +5,9 @@ streams): x is [T, hc, D] bf16 (hc a power of two), every mix is fp32.
 
 * `hc_mixes`: per row, the RMS statistic over all hc*D values, m = flat @ fn^T (fn fp32
   [(2+hc)*hc, hc*D]), the pre/post sigmoids and comb's softmax + Sinkhorn. Two launches:
-  a GEMM kernel (bf16 tensor cores at fp32 accuracy, the sum of squares riding along in a spare
-  output column) and an epilogue kernel. The rsqrt is applied to the product (m * rsqrt)
+  a GEMM kernel (`fp32_gemm_parts`: bf16 tensor cores at fp32 accuracy, the sum of squares
+  riding along in a spare output column; V4.1's router GEMM uses it too) and an epilogue
+  kernel. The rsqrt is applied to the product (m * rsqrt)
   rather than to x, as DeepSeek's reference does: same math, x stays exact in bf16.
 
   fp32 accuracy without tf32: x is exact in bf16 and fn is split in registers into three bf16
@@ -60,6 +61,7 @@ from dsv4.ops.triton.fp8_gemm import num_sms
 # 2 x 4 x 4 comb tile is one entry per lane (why: `_mixes_epilogue_kernel`); fixed for every T
 # like BLOCK_T, since the tile's layout sets the order of the epilogue's sums.
 CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 512, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
+MAX_BLOCK_N = 32  # output columns per GEMM program (mHC's 24 + 1 in one; 64 at 8 warps take 251 registers)
 # Columns per program of `hc_expand`.
 EXPAND_BLOCK_D = 1024
 
@@ -83,34 +85,35 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _mixes_gemm_kernel(
-    x_ptr, fn_ptr, part_ptr,
-    T, N, K, stride_x, stride_fn, stride_part,
+def _fp32_gemm_kernel(
+    x_ptr, w_ptr, part_ptr,
+    T, N, K, stride_x, stride_w, stride_part, stride_row,
     K_STEPS, CHUNK_STEPS, CHUNKS_PER_PROGRAM,
-    NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUMSQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """part[pid_c, rows, :N] = sum over this program's chunks of x @ fn^T, part[..., N] = sum x^2.
+    """part[pid_c, rows, cols] = sum over this program's chunks of x @ w^T for the column block
+    pid_n; SUMSQ: column N holds sum x^2 instead.
 
     Each chunk's sum starts from zero and is added to the running total, in chunk order."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    rn = tl.arange(0, NP)
+    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     t_ok = rt < T
     n_ok = rn < N
     x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_x
-    fn_rows = fn_ptr + rn[:, None] * stride_fn
-    total = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+    w_rows = w_ptr + rn[:, None] * stride_w
+    total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     first = pid_c * CHUNKS_PER_PROGRAM
     for chunk in range(first, first + CHUNKS_PER_PROGRAM):
-        acc = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
         for step in range(chunk * CHUNK_STEPS, tl.minimum(chunk * CHUNK_STEPS + CHUNK_STEPS, K_STEPS)):
             k = step * BLOCK_K + rk
             k_ok = k < K
             x = tl.load(x_rows + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(fn_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             hi = w.to(tl.bfloat16)
             rest = w - hi.to(tl.float32)
             mid = rest.to(tl.bfloat16)
@@ -121,11 +124,45 @@ def _mixes_gemm_kernel(
             prod = tl.dot(x, tl.trans(lo))
             prod = tl.dot(x, tl.trans(mid), prod)
             acc += tl.dot(x, tl.trans(hi), prod)
-            xf = x.to(tl.float32)
-            sq += tl.sum(xf * xf, axis=1)
-        total += tl.where(rn[None, :] == N, sq[:, None], acc)
-    out = part_ptr + pid_c * stride_part + rt.to(tl.int64)[:, None] * NP + rn[None, :]
+            if SUMSQ:
+                xf = x.to(tl.float32)
+                sq += tl.sum(xf * xf, axis=1)
+        if SUMSQ:
+            acc = tl.where(rn[None, :] == N, sq[:, None], acc)
+        total += acc
+    out = part_ptr + pid_c * stride_part + rt.to(tl.int64)[:, None] * stride_row + rn[None, :]
     tl.store(out, total, mask=t_ok[:, None])
+
+
+def fp32_chunks(k: int) -> tuple[int, int]:
+    """(K steps per chunk, chunks) of `fp32_gemm_parts` for k inputs: from K and the config only."""
+    steps = triton.cdiv(k, CONFIG["BLOCK_K"])
+    per = max(1, CONFIG["CHUNK"] // CONFIG["BLOCK_K"])
+    return per, triton.cdiv(steps, per)
+
+
+def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Tensor:
+    """bf16 x2 [T, K] @ fp32 w [N, K]^T at fp32 accuracy (module docstring), as the chunk sums
+    to be added in order: fp32 [S, T, cols], S = 1 (every chunk added in the GEMM) or the chunk
+    count (few row tiles: one program per chunk fills the SMs; the same bits once added).
+    cols = N rounded up to a power of two (N + 1 with `sumsq`: column N holds sum x^2), at
+    least 32. Also the fp32 router GEMM's (`router.route_hidden`)."""
+    t, k = x2.shape
+    n = w.shape[0]
+    cols = max(32, triton.next_power_of_2(n + 1 if sumsq else n))
+    block_n = min(cols, MAX_BLOCK_N)
+    bt = CONFIG["BLOCK_T"]
+    per, chunks = fp32_chunks(k)
+    tiles = triton.cdiv(t, bt)
+    split = chunks if 2 * tiles * (cols // block_n) <= num_sms(x2.device) else 1
+    part = torch.empty(split, t, cols, dtype=torch.float32, device=x2.device)
+    if t:
+        _fp32_gemm_kernel[(tiles, split, cols // block_n)](
+            x2, w, part, t, n, k, x2.stride(0), w.stride(0), t * cols, cols,
+            triton.cdiv(k, CONFIG["BLOCK_K"]), per, chunks // split,
+            SUMSQ=sumsq, BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        )
+    return part
 
 
 @triton.jit
@@ -183,13 +220,6 @@ def _mixes_epilogue_kernel(
     tl.store(comb_ptr + out_mat, comb, mask=ok3)
 
 
-def mixes_chunks(k: int) -> tuple[int, int]:
-    """(K steps per chunk, chunks) for hc*D = k inputs: from K and the config only."""
-    steps = triton.cdiv(k, CONFIG["BLOCK_K"])
-    per = max(1, CONFIG["CHUNK"] // CONFIG["BLOCK_K"])
-    return per, triton.cdiv(steps, per)
-
-
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float):
     """`ops.mhc.hc_mixes` for bf16 x [T, hc, D]: -> pre [T, hc], post [T, hc], comb [T, hc, hc].
 
@@ -197,30 +227,17 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     half of the SMs idle; both modes give the same bits."""
     t = x.shape[0]
     k = x.shape[1] * x.shape[2]
-    n = (2 + hc) * hc
-    np_ = triton.next_power_of_2(n + 1)  # column n carries the sum of squares
     pre = torch.empty(t, hc, dtype=torch.float32, device=x.device)
     post = torch.empty(t, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(t, hc, hc, dtype=torch.float32, device=x.device)
     if t == 0:
         return pre, post, comb
-    x2 = x.reshape(t, k)
-    fn = fn.contiguous()
-    bt = CONFIG["BLOCK_T"]
-    per, chunks = mixes_chunks(k)
-    tiles = triton.cdiv(t, bt)
-    split = chunks if 2 * tiles <= num_sms(x.device) else 1
-    part = torch.empty(split, t, np_, dtype=torch.float32, device=x.device)
-    _mixes_gemm_kernel[(tiles, split)](
-        x2, fn, part, t, n, k, x2.stride(0), fn.stride(0), t * np_,
-        triton.cdiv(k, CONFIG["BLOCK_K"]), per, chunks // split,
-        NP=np_, BLOCK_T=bt, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
-    )
+    part = fp32_gemm_parts(x.reshape(t, k), fn.contiguous(), sumsq=True)
     ebt = CONFIG["EPI_BLOCK_T"]
     _mixes_epilogue_kernel[(triton.cdiv(t, ebt),)](
         part, base.contiguous(), scale.contiguous(), pre, post, comb,
-        t, k, t * np_, iters, norm_eps, hc_eps,
-        CHUNKS=split, HC=hc, NP=np_, BLOCK_T=ebt, num_warps=1, enable_fp_fusion=False,
+        t, k, t * part.shape[2], iters, norm_eps, hc_eps,
+        CHUNKS=part.shape[0], HC=hc, NP=part.shape[2], BLOCK_T=ebt, num_warps=1, enable_fp_fusion=False,
     )
     return pre, post, comb
 
