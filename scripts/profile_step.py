@@ -51,6 +51,18 @@ def kernel_table(step, steps: int) -> dict:
     return {"span_us": (end - start) / steps, "kernel_us": busy / steps, "kernels": [{"name": n, "calls": c, "us": us} for n, c, us in rows]}
 
 
+def caller(event, marker: str = "dsv4/") -> str:
+    """The innermost Python frame under `marker` (not a Triton wrapper) that an op ran from:
+    with `with_stack`, the profiler records Python calls as events named "file.py(line): fn"
+    and makes them the ops' parents (the ops' own `stack` stays empty here)."""
+    up = event.cpu_parent
+    while up is not None:
+        if marker in up.name and "dsv4/ops/triton/" not in up.name:
+            return up.name
+        up = up.cpu_parent
+    return "?"
+
+
 def torch_launches(step, top: int) -> list[dict]:
     """One eager `step` under the profiler with Python stacks -> the torch ops that launch GPU
     kernels (Triton's are left out), grouped by op and the innermost dsv4 source line that
@@ -67,11 +79,7 @@ def torch_launches(step, top: int) -> list[dict]:
             continue
         if any(c.name.startswith("aten::") and c.kernels for c in e.cpu_children):
             continue  # its kernels are counted at the inner op
-        line, up = None, e
-        while line is None and up is not None:  # an op called from another op has no Python stack: ask its callers
-            line = next((f for f in up.stack if "dsv4/" in f and "dsv4/ops/triton/" not in f), None)
-            up = up.cpu_parent
-        line = line or "?"
+        line = caller(e)
         entry = groups[(e.name, line)]
         entry[0] += len(e.kernels)
         entry[1] += sum(k.duration for k in e.kernels)
