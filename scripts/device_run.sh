@@ -7,7 +7,7 @@
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
 # knobs, e.g. AB_ENV="W8A16_DEQUANT=bytes", or KNOBS="dsv4.ops.linear:DENSE_GEMM_ROWS=128
-# dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"), PROFILE_CASES, PROFILE_FLAGS (per-kernel table of graph replays, step `profile`; --stacks).
+# dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"), PROFILE_CASES (per-kernel table of graph replays, step `profile`).
 # Results under $OUT.
 set -uo pipefail
 pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
@@ -82,7 +82,7 @@ fi
 if want profile; then  # which kernels a step's time goes to (scripts/profile_step.py)
   echo "=== profile" | tee -a "$LOG"
   timeout "${PROFILE_TIMEOUT:-200}" python scripts/profile_step.py ${PROFILE_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768 d256_8k=256*1@8192 p8k=8192} \
-    --json "$OUT/profile.json" ${PROFILE_FLAGS:-} 2>&1 | grep -v -E "Warning|warn_once" | tee "$OUT/profile.txt" | tee -a "$LOG" | grep -E "^==" 
+    --json "$OUT/profile.json" 2>&1 | grep -v -E "Warning|warn_once" | tee "$OUT/profile.txt" | tee -a "$LOG" | grep -E "^==" 
 fi
 if want ncu; then  # Nsight Compute on the bounding kernels (scripts/ncu_kernels.py), where the image has it
   echo "=== ncu" | tee -a "$LOG"

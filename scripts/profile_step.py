@@ -7,7 +7,7 @@ for each case (the bench's grammar) it builds the same model (`--config v41 --nu
 bench does, replays them under torch.profiler and sums the GPU time of every kernel name per
 step, with its launch count, its share of the step and the GPU's idle time between kernels.
 
-    python scripts/profile_step.py d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192 --json out.json [--stacks]
+    python scripts/profile_step.py d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192 --json out.json
 """
 
 from __future__ import annotations
@@ -51,42 +51,6 @@ def kernel_table(step, steps: int) -> dict:
     return {"span_us": (end - start) / steps, "kernel_us": busy / steps, "kernels": [{"name": n, "calls": c, "us": us} for n, c, us in rows]}
 
 
-def caller(event, marker: str = "dsv4/") -> str:
-    """The innermost Python frame under `marker` (not a Triton wrapper) that an op ran from:
-    with `with_stack`, the profiler records Python calls as events named "file.py(line): fn"
-    and makes them the ops' parents (the ops' own `stack` stays empty here)."""
-    up = event.cpu_parent
-    while up is not None:
-        if marker in up.name and "dsv4/ops/triton/" not in up.name:
-            return up.name
-        up = up.cpu_parent
-    return "?"
-
-
-def torch_launches(step, top: int) -> list[dict]:
-    """One eager `step` under the profiler with Python stacks -> the torch ops that launch GPU
-    kernels (Triton's are left out), grouped by op and the innermost dsv4 source line that
-    called it: launches and GPU us per step. These are the small kernels (copies, casts,
-    gathers, index arithmetic) a fused kernel or a change of the model code could remove."""
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        step()
-        torch.cuda.synchronize()
-    groups: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CPU or not e.name.startswith("aten::") or not e.kernels:
-            continue
-        if any(c.name.startswith("aten::") and c.kernels for c in e.cpu_children):
-            continue  # its kernels are counted at the inner op
-        line = caller(e)
-        entry = groups[(e.name, line)]
-        entry[0] += len(e.kernels)
-        entry[1] += sum(k.duration for k in e.kernels)
-    rows = sorted(({"op": op, "where": where, "launches": n, "us": us} for (op, where), (n, us) in groups.items()), key=lambda r: -r["launches"])
-    return rows[:top]
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cases", nargs="+")
@@ -95,7 +59,6 @@ def main() -> int:
     p.add_argument("--num-experts", type=int, default=64)
     p.add_argument("--steps", type=int, default=3, help="replays profiled per case")
     p.add_argument("--top", type=int, default=30, help="kernels printed per case")
-    p.add_argument("--stacks", action="store_true", help="also list the torch ops that launch kernels in an eager step, by source line")
     p.add_argument("--json")
     args = p.parse_args()
     dtype, device = torch.bfloat16, torch.device("cuda")
@@ -120,15 +83,6 @@ def main() -> int:
               f"kernels {table['kernel_us'] / 1e3:.3f} ms, {sum(k['calls'] for k in table['kernels']):.0f} launches")
         for k in table["kernels"][: args.top]:
             print(f"  {k['us']:9.1f} us {100 * k['us'] / table['kernel_us']:5.1f}% {k['calls']:6.1f}x  {k['name'][:110]}")
-        if args.stacks:
-            def eager():
-                with torch.inference_mode():
-                    return model.logits(model.forward(batch, cache))
-
-            doc[case.name]["torch_launches"] = launches = torch_launches(eager, args.top)
-            print(f"  torch ops launching kernels in an eager step ({sum(r['launches'] for r in launches)} launches in the top {len(launches)}):")
-            for r in launches:
-                print(f"  {r['launches']:4d}x {r['us']:8.1f} us  {r['op'][:28]:28s} {r['where'][-90:]}")
         del runner, cache, batch
         torch.cuda.empty_cache()
     if args.json:
