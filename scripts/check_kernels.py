@@ -2102,6 +2102,8 @@ def mhc_compile_targets() -> list[tuple]:
             "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
     out = [(f"fp32 gemm {label}", mhc._fp32_gemm_kernel, gemm, {"SUMSQ": sumsq, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": n, "BLOCK_K": cfg["BLOCK_K"]},
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}) for label, sumsq, n in (("mhc mixes", True, 32), ("router", False, mhc.MAX_BLOCK_N))]
+    out.append(("fp32 gemm chunk sum", mhc._sum_chunks_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32", "T": i, "N": i, "stride_part": i, "stride_row": i, "stride_out": i},
+                {"CHUNKS": mhc.fp32_chunks(5120)[1], "BLOCK_T": mhc.SUM_BLOCK_T, "BLOCK_N": 256}, {"num_warps": 4}))
     epi = {n: "*fp32" for n in ("part_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")}
     epi.update(T=i, K=i, stride_part=i, iters=i, norm_eps=f, hc_eps=f)
     for chunks in (1, mhc.fp32_chunks(4 * 5120)[1]):

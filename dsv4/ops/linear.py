@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.model import quant
+from dsv4.ops import on_triton
 
 # BLAS picks different kernels (with different rounding) for matrices of only a few rows;
 # from this many rows on, every row's result is the same whatever the row count.
@@ -26,6 +27,18 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         pad = x.new_zeros(MIN_GEMM_ROWS - x.shape[0], x.shape[1])
         return F.linear(torch.cat([x, pad]), w)[: x.shape[0]]
     return F.linear(x, w)
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x @ w^T` in fp32 for an fp32 weight (V4.1's compressor pooling projections). bf16 x [R,
+    K] on the Triton path: bf16 tensor cores at fp32 accuracy, K in chunks fixed by the
+    shapes (`triton.mhc.fp32_gemm`), where cuBLAS's fp32 kernel, and with it the rounding,
+    followed the row count."""
+    if on_triton(x) and x.dtype == torch.bfloat16 and x.dim() == 2:
+        from dsv4.ops.triton.mhc import fp32_gemm
+
+        return fp32_gemm(x if x.stride(-1) == 1 else x.contiguous(), w.contiguous())
+    return linear(x.float(), w)
 
 
 class Linear:

@@ -309,6 +309,34 @@ def test_hc_mixes_accuracy_and_split(t, hc, d, iters, monkeypatch):
         assert _rel(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("t,n,k", [(3, 1024, 320), (70, 96, 448)])
+def test_fp32_gemm_accuracy_split_and_rows(t, n, k, monkeypatch):
+    """`fp32_gemm` (the compressor's and router's fp32 projections): against fp64 within 2x the
+    fp32 torch GEMM's own error; split (one program per K chunk, then the in-order chunk sum)
+    and unsplit launches give the same bits, and so does a row alone. Chunks of 128 inputs,
+    the last one partial; N = 96 pads to 128 columns."""
+    from dsv4.ops.linear import linear_fp32
+
+    monkeypatch.setitem(tmhc.CONFIG, "CHUNK", 128)
+    g = _gen(t + n)
+    x = torch.randn(t, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g) * 0.05
+    exact = x.double() @ w.double().T
+    want = x.float() @ w.T
+    outs = {}
+    for sms in (1, 1000):  # never / always split
+        monkeypatch.setattr(tmhc, "num_sms", lambda device, sms=sms: sms)
+        outs[sms] = tmhc.fp32_gemm(x.to(DEVICE), w.to(DEVICE)).cpu()
+        assert torch.equal(tmhc.fp32_gemm(x[1:2].to(DEVICE), w.to(DEVICE)).cpu()[0], outs[sms][1])
+    got = outs[1]
+    assert got.dtype == torch.float32 and got.shape == (t, n) and torch.equal(got, outs[1000])
+    assert _rel(got, exact) <= max(2e-7, 2 * _rel(want, exact))
+    import dsv4.ops
+
+    monkeypatch.setattr(dsv4.ops, "TRITON_ON_CPU", True)  # (on CPU tensors the op runs torch's GEMM otherwise)
+    assert torch.equal(linear_fp32(x.to(DEVICE), w.to(DEVICE)).cpu(), got)  # the op dispatches to the kernel
+
+
 def test_hc_mixes_rows_do_not_depend_on_batch(monkeypatch):
     """A row alone (one tile, split into 2 chunks) has the bits it has in a 200-row batch (4
     tiles, not split on the interpreter's 4 'SMs')."""

@@ -28,7 +28,7 @@ from dsv4.model.step import Rows, Step
 from dsv4.ops import attention as attention_ops
 from dsv4.ops import indexer as index_ops
 from dsv4.ops import kv as kvops
-from dsv4.ops.linear import Linear, grouped_linear, linear
+from dsv4.ops.linear import Linear, grouped_linear, linear, linear_fp32
 from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import RopeTables, apply_rope
 
@@ -225,8 +225,11 @@ class Compressor:
         self.v41 = cfg.arch == "v41"
         self.wkv = w[prefix + "wkv.weight"]
         self.wgate = w.get(prefix + "wgate.weight")
+        self.wkv_gate = None
         if self.v41 and ratio > 1:  # the pooling projections run in fp32: convert once, not per call
-            self.wkv, self.wgate = self.wkv.float(), self.wgate.float()
+            # one [2 * width, D] weight for the fast path's single GEMM; wkv and wgate are its halves
+            self.wkv_gate = torch.cat([self.wkv.float(), self.wgate.float()])
+            self.wkv, self.wgate = self.wkv_gate.split(self.wkv.shape[0])
         self.ape = w.get(prefix + "ape")
         self.norm = w[prefix + "norm.weight"]
 
@@ -240,8 +243,8 @@ class Compressor:
             latent = self._norm(linear(x, self.wkv.to(dtype)))
             return [(segs.starts[i], latent[segs.rows(i)]) for i in range(len(segs.starts))]
         if self.v41:  # pooling math in fp32 (the reference keeps these projections fp32)
-            kv_all = linear(x.float(), self.wkv)
-            gate_all = linear(x.float(), self.wgate)
+            kv_all = linear_fp32(x, self.wkv)
+            gate_all = linear_fp32(x, self.wgate)
         else:
             kv_all = linear(x, self.wkv.to(dtype))
             gate_all = linear(x, self.wgate.to(dtype))
@@ -305,8 +308,7 @@ class Compressor:
         emit = rows.write & (rows.positions - rows.positions % r >= step.emit_from[req])  # groups of a prefix hit are cached
         if r == 1:  # every token is its own entry, no gate
             return self._norm(linear(x, self.wkv.to(dtype))), rows.positions, emit
-        kv_all = linear(x.float(), self.wkv)  # fp32 pooling math, as the reference
-        gate_all = linear(x.float(), self.wgate)
+        kv_all, gate_all = linear_fp32(x, self.wkv_gate).split(self.wkv.shape[0], dim=1)  # fp32 pooling math, as the reference
         tail_kv, tail_gate = cache.tail_kv[layer, self.state], cache.tail_gate[layer, self.state]
         # the r positions of each row's group; those before the step come from the tail
         group = (rows.positions - rows.positions % r).unsqueeze(1) + torch.arange(r, device=x.device)

@@ -233,7 +233,8 @@ def store_plain(dst: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor], x: 
     t, d = x.shape
     if t == 0:
         return
-    x, i0, i1, mask = (a.contiguous() for a in (x, index[0], index[1], mask))
+    x = x if x.stride(-1) == 1 else x.contiguous()  # rows at any stride (a column slice of a wider output)
+    i0, i1, mask = (a.contiguous() for a in (index[0], index[1], mask))
     block_d = min(triton.next_power_of_2(d), 1024)
     rows = _rows_per_program(block_d)
     _store_plain_kernel[(triton.cdiv(t, rows), triton.cdiv(d, block_d))](

@@ -6,8 +6,8 @@ streams): x is [T, hc, D] bf16 (hc a power of two), every mix is fp32.
 * `hc_mixes`: per row, the RMS statistic over all hc*D values, m = flat @ fn^T (fn fp32
   [(2+hc)*hc, hc*D]), the pre/post sigmoids and comb's softmax + Sinkhorn. Two launches:
   a GEMM kernel (`fp32_gemm_parts`: bf16 tensor cores at fp32 accuracy, the sum of squares
-  riding along in a spare output column; V4.1's router GEMM uses it too) and an epilogue
-  kernel. The rsqrt is applied to the product (m * rsqrt)
+  riding along in a spare output column; V4.1's router and compressor GEMMs use it too,
+  `fp32_gemm`) and an epilogue kernel. The rsqrt is applied to the product (m * rsqrt)
   rather than to x, as DeepSeek's reference does: same math, x stays exact in bf16.
 
   fp32 accuracy without tf32: x is exact in bf16 and fn is split in registers into three bf16
@@ -61,6 +61,7 @@ from dsv4.ops.triton.fp8_gemm import num_sms
 # 2 x 4 x 4 comb tile is one entry per lane (why: `_mixes_epilogue_kernel`); fixed for every T
 # like BLOCK_T, since the tile's layout sets the order of the epilogue's sums.
 CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 512, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
+SUM_BLOCK_T = 4  # rows per program of `fp32_gemm`'s chunk sum
 MAX_BLOCK_N = 32  # output columns per GEMM program (mHC's 24 + 1 in one; 64 at 8 warps take 251 registers)
 # Columns per program of `hc_expand`.
 EXPAND_BLOCK_D = 1024
@@ -163,6 +164,38 @@ def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Ten
             SUMSQ=sumsq, BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
         )
     return part
+
+
+@triton.jit
+def _sum_chunks_kernel(part_ptr, out_ptr, T, N, stride_part, stride_row, stride_out,
+                       CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[rows, :N] = the chunk sums of `fp32_gemm_parts` added in chunk order."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rt < T)[:, None] & (rn < N)[None, :]
+    src = part_ptr + rt.to(tl.int64)[:, None] * stride_row + rn[None, :]
+    total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):  # unrolled: every chunk's loads issue at once
+        total += tl.load(src + c * stride_part, mask=ok, other=0.0)
+    tl.store(out_ptr + rt.to(tl.int64)[:, None] * stride_out + rn[None, :], total, mask=ok)
+
+
+def fp32_gemm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16 x2 [T, K] @ fp32 w [N, K]^T -> fp32 [T, N] at fp32 accuracy, a row's bits
+    independent of T (`fp32_gemm_parts`, its chunk sums added in order here when the GEMM
+    split them)."""
+    t, n = x2.shape[0], w.shape[0]
+    part = fp32_gemm_parts(x2, w, sumsq=False)
+    if part.shape[0] == 1 and part.shape[2] == n:
+        return part[0]
+    out = torch.empty(t, n, dtype=torch.float32, device=x2.device)
+    if t:
+        block_n = min(triton.next_power_of_2(n), 256)
+        _sum_chunks_kernel[(triton.cdiv(t, SUM_BLOCK_T), triton.cdiv(n, block_n))](
+            part, out, t, n, part.stride(0), part.stride(1), out.stride(0),
+            CHUNKS=part.shape[0], BLOCK_T=SUM_BLOCK_T, BLOCK_N=block_n, num_warps=4,
+        )
+    return out
 
 
 @triton.jit
