@@ -37,6 +37,7 @@ from dsv4.cache.storage import QTensor
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.llm import LLM
 from dsv4.model import quant
+from dsv4.model.layers import attention as attention_layer
 from dsv4.model.layers import moe as moe_layer
 from dsv4.ops import attention, indexer, kv, mhc, norm, rope
 from dsv4.ops.linear import Linear, linear
@@ -62,6 +63,7 @@ TOLERANCE = {
     # compact FP8 weights only run on the GPU (CPU runs load dequantised weights)
     "fp8_linear_w8a16": 1e-2, "moe_experts": 2e-2, "moe_experts_dense": 2e-2,
     "route_scores": 1e-5,  # the same experts (else inf); weights to fp32 rounding of the logits (summed in another order than cuBLAS's)
+    "linear_fp32": 1e-5,  # the compressor's fp32 projections: fp32 sums in another order
 }
 
 
@@ -154,6 +156,7 @@ def install(checker: Checker) -> None:
     c.wrap(triton_ops, "fp8_linear_w8a16", _w8a16_reference)
     c.wrap(triton_ops, "moe_experts", _moe_reference)
     c.wrap(triton_ops, "moe_experts_dense", _moe_reference)
+    c.wrap(attention_layer, "linear_fp32", lambda x, w: linear(x.float(), w))
     c.wrap(t_router, "route_scores", moe_ops.route_scores,
            lambda o, r, *a: _rel(o[0], r[0]) if torch.equal(o[1].cpu(), r[1].cpu()) else float("inf"))
 
