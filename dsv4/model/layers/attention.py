@@ -229,7 +229,7 @@ class Compressor:
         if self.v41 and ratio > 1:  # the pooling projections run in fp32: convert once, not per call
             # one [2 * width, D] weight for the fast path's single GEMM; wkv and wgate are its halves
             self.wkv_gate = torch.cat([self.wkv.float(), self.wgate.float()])
-            self.wkv, self.wgate = self.wkv_gate.split(self.wkv.shape[0])
+            self.wkv, self.wgate = self.wkv_gate.split([self.wkv.shape[0], self.wgate.shape[0]])
         self.ape = w.get(prefix + "ape")
         self.norm = w[prefix + "norm.weight"]
 
@@ -308,7 +308,7 @@ class Compressor:
         emit = rows.write & (rows.positions - rows.positions % r >= step.emit_from[req])  # groups of a prefix hit are cached
         if r == 1:  # every token is its own entry, no gate
             return self._norm(linear(x, self.wkv.to(dtype))), rows.positions, emit
-        kv_all, gate_all = linear_fp32(x, self.wkv_gate).split(self.wkv.shape[0], dim=1)  # fp32 pooling math, as the reference
+        kv_all, gate_all = linear_fp32(x, self.wkv_gate).split([self.wkv.shape[0], self.wgate.shape[0]], dim=1)  # fp32 pooling math, as the reference
         tail_kv, tail_gate = cache.tail_kv[layer, self.state], cache.tail_gate[layer, self.state]
         # the r positions of each row's group; those before the step come from the tail
         group = (rows.positions - rows.positions % r).unsqueeze(1) + torch.arange(r, device=x.device)

@@ -62,7 +62,11 @@ from dsv4.ops.triton.fp8_gemm import num_sms
 # like BLOCK_T, since the tile's layout sets the order of the epilogue's sums.
 CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 512, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
 SUM_BLOCK_T = 4  # rows per program of `fp32_gemm`'s chunk sum
-MAX_BLOCK_N = 32  # output columns per GEMM program (mHC's 24 + 1 in one; 64 at 8 warps take 251 registers)
+# Output columns per GEMM program (mHC's 24 + 1 in one block). 64 (251 registers at 8 warps, no
+# spills) made the compressor's 1024 columns at prefill faster (S4-7: 8K 2.87 -> 2.37 ms) but a
+# router at batch 1 slower; unsplit calls could take it once the H200 shows a column's bits do
+# not depend on the block width for this kernel.
+MAX_BLOCK_N = 32
 # Columns per program of `hc_expand`.
 EXPAND_BLOCK_D = 1024
 
@@ -147,7 +151,8 @@ def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Ten
     to be added in order: fp32 [S, T, cols], S = 1 (every chunk added in the GEMM) or the chunk
     count (few row tiles: one program per chunk fills the SMs; the same bits once added).
     cols = N rounded up to a power of two (N + 1 with `sumsq`: column N holds sum x^2), at
-    least 32. Also the fp32 router GEMM's (`router.route_hidden`)."""
+    least 32. Also V4.1's router GEMM (`router.route_scores`) and, through `fp32_gemm`, the
+    compressor's."""
     t, k = x2.shape
     n = w.shape[0]
     cols = max(32, triton.next_power_of_2(n + 1 if sumsq else n))

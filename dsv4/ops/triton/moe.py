@@ -19,8 +19,9 @@ How: the (token, slot) pairs are laid out by expert in segments padded to the ro
 that every row tile of the grouped GEMMs belongs to one expert. Up to `MOE["ALIGN_MAX_PAIRS"]`
 pairs (decode) one Triton launch builds that layout (a counting sort, one program per expert:
 one launch instead of about twenty small torch ops, whose launch gaps at T=1 are comparable
-to the ~50 us that six experts' weights take to stream); above, torch ops do; and up to `MOE["PAIR_TILES_MAX_PAIRS"]`
-(one decode token) each pair is its own tile, with no layout launch. The padded layout's size
+to the ~50 us that six experts' weights take to stream); above, torch ops do; and up to
+`MOE["PAIR_TILES_MAX_PAIRS"]` (one decode token) each pair is its own tile, with no layout
+launch. The padded layout's size
 is bounded from the shapes alone (no host sync, CUDA-graph safe) and tiles past the end exit
 at once. Kernel 1 gathers the token
 rows and multiplies them by the gate and up rows of its expert — each program streams one
