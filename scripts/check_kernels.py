@@ -1901,12 +1901,35 @@ def invariance_attention() -> None:
         record("invariance", f"sparse_attention T=64 {attention_label(spread)} vs default", "triton", ok=same)
 
 
+def invariance_fp32_gemm() -> None:
+    """`mhc.fp32_gemm` at the V4.1 compressor's (1024 columns) and router's (385 columns, padded
+    to 512) shapes: row 0 alone (K chunks split over programs) against its row in 4096
+    (unsplit), and the 4096 rows with 64-column blocks instead of 32 — the check that would let
+    unsplit calls take the wider blocks (S4-7: the prefill compressor 2.87 -> 2.37 ms at 8K)."""
+    from unittest import mock
+
+    from dsv4.ops.triton import mhc
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4096, 5120, device="cuda", generator=g).bfloat16()
+    for label, n in (("compressor", 1024), ("router", 385)):
+        w = torch.randn(n, 5120, device="cuda", generator=g) * 0.02
+        batch = mhc.fp32_gemm(x, w)
+        alone = mhc.fp32_gemm(x[:1], w)
+        record("invariance", f"fp32_gemm {label} N={n}: row 0 alone (split) vs in T=4096", "triton", ok=torch.equal(alone[0], batch[0]))
+        with mock.patch.object(mhc, "MAX_BLOCK_N", 64):
+            wide = mhc.fp32_gemm(x, w)
+        record("invariance", f"fp32_gemm {label} N={n}: 64-column blocks vs 32 at T=4096", "triton", ok=torch.equal(wide, batch),
+               differing=int((wide != batch).sum()))
+
+
 def section_invariance() -> None:
     """A row computed alone must have the bits it has inside a batch."""
     for name, n, k, block in (p for p in PROJECTIONS if p[0] in ("wq_a", "wq_b", "wo_b")):  # 10, 1, 6 chunks
         guarded("invariance", f"fp8_linear_w8a16 {name}", invariance_fp8_linear, name, n, k, block)
     guarded("invariance", "moe_experts", invariance_moe)
     guarded("invariance", "sparse_attention", invariance_attention)
+    guarded("invariance", "fp32_gemm", invariance_fp32_gemm)
 
 
 # ------------------------------------------------------------------------------ sm_90 compile
