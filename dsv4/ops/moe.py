@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.ops import elementwise, on_triton
-from dsv4.ops.linear import linear
+from dsv4.ops.linear import linear_fp32
 
 
 def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k:
         from dsv4.ops.triton import router
 
         return router.route_scores(x, gate, bias, top_k, temp, routed_scale, normalize, extra_expert)
-    weights, indices = route(sqrtsoftplus(linear(x.float(), gate) / temp), bias, top_k, None, routed_scale, normalize)
+    weights, indices = route(sqrtsoftplus(linear_fp32(x, gate) / temp), bias, top_k, None, routed_scale, normalize)
     weights = weights.float()
     if extra_expert is not None:
         indices = torch.cat([indices, torch.full_like(indices[:, :1], extra_expert)], dim=1)

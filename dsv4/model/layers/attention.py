@@ -227,11 +227,15 @@ class Compressor:
         self.wgate = w.get(prefix + "wgate.weight")
         self.wkv_gate = None
         if self.v41 and ratio > 1:  # the pooling projections run in fp32: convert once, not per call
-            # one [2 * width, D] weight for the fast path's single GEMM; wkv and wgate are its halves
+            # one [2 * width, D] weight for a single GEMM; wkv and wgate are its halves
             self.wkv_gate = torch.cat([self.wkv.float(), self.wgate.float()])
             self.wkv, self.wgate = self.wkv_gate.split([self.wkv.shape[0], self.wgate.shape[0]])
         self.ape = w.get(prefix + "ape")
         self.norm = w[prefix + "norm.weight"]
+
+    def _fp32_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4.1's pooling inputs (kv, gate), fp32 [R, width] each, from one fp32 GEMM."""
+        return linear_fp32(x, self.wkv_gate).split([self.wkv.shape[0], self.wgate.shape[0]], dim=1)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps, weight_in_fp32=not self.v41)
@@ -243,8 +247,7 @@ class Compressor:
             latent = self._norm(linear(x, self.wkv.to(dtype)))
             return [(segs.starts[i], latent[segs.rows(i)]) for i in range(len(segs.starts))]
         if self.v41:  # pooling math in fp32 (the reference keeps these projections fp32)
-            kv_all = linear_fp32(x, self.wkv)
-            gate_all = linear_fp32(x, self.wgate)
+            kv_all, gate_all = self._fp32_projections(x)
         else:
             kv_all = linear(x, self.wkv.to(dtype))
             gate_all = linear(x, self.wgate.to(dtype))
@@ -308,7 +311,7 @@ class Compressor:
         emit = rows.write & (rows.positions - rows.positions % r >= step.emit_from[req])  # groups of a prefix hit are cached
         if r == 1:  # every token is its own entry, no gate
             return self._norm(linear(x, self.wkv.to(dtype))), rows.positions, emit
-        kv_all, gate_all = linear_fp32(x, self.wkv_gate).split([self.wkv.shape[0], self.wgate.shape[0]], dim=1)  # fp32 pooling math, as the reference
+        kv_all, gate_all = self._fp32_projections(x)  # fp32 pooling math, as the reference
         tail_kv, tail_gate = cache.tail_kv[layer, self.state], cache.tail_gate[layer, self.state]
         # the r positions of each row's group; those before the step come from the tail
         group = (rows.positions - rows.positions % r).unsqueeze(1) + torch.arange(r, device=x.device)
