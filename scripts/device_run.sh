@@ -6,8 +6,9 @@
 # Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline; also ab, ncu), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
-# knobs, e.g. AB_ENV="W8A16_DEQUANT=bytes", or KNOBS="dsv4.ops.linear:DENSE_GEMM_ROWS=128
-# dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"), PROFILE_CASES (per-kernel table of graph replays, step `profile`).
+# knobs: AB_ENV="KNOBS=..."), KNOBS (module globals or dict entries the bench runs under, Python literals:
+# KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"),
+# PROFILE_CASES (per-kernel table of graph replays, step `profile`).
 # Results under $OUT.
 set -uo pipefail
 pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
@@ -18,21 +19,15 @@ LOG=$OUT/log.txt
 
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 
-# `dsv4 bench forward` under `timeout $1` with the rest as arguments; with MOE_DEQUANT set
-# (below: when the real-shape MoE check finds the default dequantisation wrong on this GPU),
-# or W8A16_DEQUANT set (A/B runs of the dense GEMM's weight reads), on those knobs instead.
+# `dsv4 bench forward` under `timeout $1` with the rest as arguments, under the KNOBS (below,
+# the kernels step adds MoE byte reads when the real-shape MoE check fails on this GPU).
 bench() {
   local limit=$1
   shift
   timeout "$limit" python - "$@" <<PY
+import ast
+import importlib
 import sys
-import dsv4.ops.triton.fp8_gemm as fp8_gemm
-import dsv4.ops.triton.moe as moe
-for knobs, key, value in ((moe.MOE, "DEQUANT", "${MOE_DEQUANT:-}"), (fp8_gemm.W8A16, "DEQUANT", "${W8A16_DEQUANT:-}")):
-    if value:
-        knobs[key] = value
-        print(f"knob {key} = {value}")
-import ast, importlib
 for knob in "${KNOBS:-}".split():  # module:NAME=value or module:DICT.key=value (a Python literal)
     target, value = knob.split("=", 1)
     module, name = target.split(":")
@@ -54,7 +49,7 @@ if want kernels; then
   echo "rc=$?" | tee -a "$LOG"
   grep -E "FAIL|ERROR|best|sweep" "$LOG" | tail -40
   if grep -qE "^moe_experts .*(FAIL|illegal)" "$LOG"; then
-    export MOE_DEQUANT=bytes
+    export KNOBS="${KNOBS:-} dsv4.ops.triton.moe:MOE.DEQUANT='bytes'"
     echo "moe_experts failed at real shapes: the benchmarks run MOE['DEQUANT'] = bytes" | tee -a "$LOG"
   fi
 fi
