@@ -806,7 +806,14 @@ def test_route_scores_rows_do_not_depend_on_batch(monkeypatch):
     from dsv4.ops.triton import router
 
     monkeypatch.setitem(tmhc.CONFIG, "CHUNK", 128)
-    x, gate, bias = (a.to(DEVICE) for a in _router_case(150, 64, 320, seed=5))
+    x, gate, bias = _router_case(150, 64, 320, seed=5)
+    # token 0's chunk sums are 1e8, -1e8 and gate[:, 256]: added in order they give the last,
+    # in any other order it is lost (so the test sees the order of the chunk sums)
+    x[0] = 0
+    x[:, [0, 128]] = 0  # (the other tokens leave the two large columns alone)
+    x[0, [0, 128, 256]] = 1
+    gate[:, 0], gate[:, 128] = 1e8, -1e8
+    x, gate, bias = x.to(DEVICE), gate.to(DEVICE), bias.to(DEVICE)
     assert tmhc.fp32_gemm_parts(x[:1], gate, False).shape[0] == 3 and tmhc.fp32_gemm_parts(x, gate, False).shape[0] == 1
     batch = router.route_scores(x, gate, bias, 6, 1.7, 2.5, True, 64)
     for i in (0, 77, 149):
