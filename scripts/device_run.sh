@@ -8,7 +8,8 @@
 # BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
 # knobs: AB_ENV="KNOBS=..."), KNOBS (module globals or dict entries the bench runs under, Python literals:
 # KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"),
-# PROFILE_CASES (per-kernel table of graph replays, step `profile`).
+# PROFILE_CASES, PROFILE_ARGS (per-kernel table of graph replays, step `profile`; PROFILE_ARGS=--torch-ops adds
+# the eager step's aten ops by source line).
 # Results under $OUT.
 set -uo pipefail
 pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
@@ -77,7 +78,7 @@ fi
 if want profile; then  # which kernels a step's time goes to (scripts/profile_step.py)
   echo "=== profile" | tee -a "$LOG"
   timeout "${PROFILE_TIMEOUT:-200}" python scripts/profile_step.py ${PROFILE_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768 d256_8k=256*1@8192 p8k=8192} \
-    --json "$OUT/profile.json" 2>&1 | grep -v -E "Warning|warn_once" | tee "$OUT/profile.txt" | tee -a "$LOG" | grep -E "^==" 
+    ${PROFILE_ARGS:-} --json "$OUT/profile.json" 2>&1 | grep -v -E "Warning|warn_once" | tee "$OUT/profile.txt" | tee -a "$LOG" | grep -E "^==" 
 fi
 if want ncu; then  # Nsight Compute on the bounding kernels (scripts/ncu_kernels.py), where the image has it
   echo "=== ncu" | tee -a "$LOG"

@@ -8,6 +8,10 @@ bench does, replays them under torch.profiler and sums the GPU time of every ker
 step, with its launch count, its share of the step and the GPU's idle time between kernels.
 
     python scripts/profile_step.py d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192 --json out.json
+
+`--torch-ops`: also runs one eager step under a torch dispatch mode and lists the aten ops it
+issues outside the Triton kernels by the dsv4 source line that issued them (the profiler of
+the device's torch records no Python callers): where a step's small torch launches come from.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import argparse
 import json
 import statistics
 import sys
-from collections import defaultdict
+import traceback
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dsv4.bench import forward as bench  # noqa: E402
@@ -51,6 +57,37 @@ def kernel_table(step, steps: int) -> dict:
     return {"span_us": (end - start) / steps, "kernel_us": busy / steps, "kernels": [{"name": n, "calls": c, "us": us} for n, c, us in rows]}
 
 
+# aten ops that only make views or read metadata: no kernel
+_NO_KERNEL = {"detach", "view", "_unsafe_view", "t", "expand", "slice", "select", "unsqueeze", "squeeze", "split",
+              "split_with_sizes", "alias", "transpose", "unbind", "reshape", "permute", "as_strided", "lift_fresh",
+              "_record_function_enter_new", "_record_function_exit", "empty", "empty_like", "empty_strided"}
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the kernel-launching aten ops by (op, innermost dsv4 source line)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in _NO_KERNEL:
+            where = next((f"{f.filename.split('dsv4/', 1)[-1]}:{f.lineno}" for f in reversed(traceback.extract_stack()[:-1])
+                          if "/dsv4/" in f.filename), "?")
+            self.counts[(func.overloadpacket.__name__, where)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def torch_op_table(model: Model, batch, cache) -> list[dict]:
+    """The aten ops of one eager step, per (op, source line), most frequent first."""
+    with torch.inference_mode():
+        model.logits(model.forward(batch, cache))  # warm: lazily built tensors are not counted
+        mode = _CountOps()
+        with mode:
+            model.logits(model.forward(batch, cache))
+    return [{"op": op, "where": where, "calls": n} for (op, where), n in mode.counts.most_common()]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cases", nargs="+")
@@ -59,6 +96,7 @@ def main() -> int:
     p.add_argument("--num-experts", type=int, default=64)
     p.add_argument("--steps", type=int, default=3, help="replays profiled per case")
     p.add_argument("--top", type=int, default=30, help="kernels printed per case")
+    p.add_argument("--torch-ops", action="store_true", help="also list an eager step's aten ops by source line")
     p.add_argument("--json")
     args = p.parse_args()
     dtype, device = torch.bfloat16, torch.device("cuda")
@@ -83,6 +121,15 @@ def main() -> int:
               f"kernels {table['kernel_us'] / 1e3:.3f} ms, {sum(k['calls'] for k in table['kernels']):.0f} launches")
         for k in table["kernels"][: args.top]:
             print(f"  {k['us']:9.1f} us {100 * k['us'] / table['kernel_us']:5.1f}% {k['calls']:6.1f}x  {k['name'][:110]}")
+        if args.torch_ops:
+            ops = doc[case.name]["torch_ops"] = torch_op_table(model, batch, cache)
+            by_line = Counter()
+            for o in ops:
+                by_line[o["where"]] += o["calls"]
+            print(f"  {sum(o['calls'] for o in ops)} aten ops outside the Triton kernels in an eager step; by source line:")
+            for where, n in by_line.most_common():
+                names = ", ".join(f"{o['op']} x{o['calls']}" for o in ops if o["where"] == where)
+                print(f"  {n:5d}  {where}  ({names})")
         del runner, cache, batch
         torch.cuda.empty_cache()
     if args.json:
