@@ -1904,8 +1904,8 @@ def invariance_attention() -> None:
 def invariance_fp32_gemm() -> None:
     """`mhc.fp32_gemm` at the V4.1 compressor's (1024 columns) and router's (385 columns, padded
     to 512) shapes: row 0 alone (K chunks split over programs) against its row in 4096
-    (unsplit), and the 4096 rows with 64-column blocks instead of 32 — the check that would let
-    unsplit calls take the wider blocks (S4-7: the prefill compressor 2.87 -> 2.37 ms at 8K)."""
+    (unsplit), and the 4096 rows with 32-column blocks instead of the unsplit calls' 64 (a
+    column's bits must not depend on the block width: the split calls take 32)."""
     from unittest import mock
 
     from dsv4.ops.triton import mhc
@@ -1917,10 +1917,10 @@ def invariance_fp32_gemm() -> None:
         batch = mhc.fp32_gemm(x, w)
         alone = mhc.fp32_gemm(x[:1], w)
         record("invariance", f"fp32_gemm {label} N={n}: row 0 alone (split) vs in T=4096", "triton", ok=torch.equal(alone[0], batch[0]))
-        with mock.patch.object(mhc, "MAX_BLOCK_N", 64):
-            wide = mhc.fp32_gemm(x, w)
-        record("invariance", f"fp32_gemm {label} N={n}: 64-column blocks vs 32 at T=4096", "triton", ok=torch.equal(wide, batch),
-               differing=int((wide != batch).sum()))
+        with mock.patch.object(mhc, "WIDE_BLOCK_N", mhc.SPLIT_BLOCK_N):
+            narrow = mhc.fp32_gemm(x, w)
+        record("invariance", f"fp32_gemm {label} N={n}: {mhc.SPLIT_BLOCK_N}- vs {mhc.WIDE_BLOCK_N}-column blocks at T=4096", "triton",
+               ok=torch.equal(narrow, batch), differing=int((narrow != batch).sum()))
 
 
 def section_invariance() -> None:
@@ -2124,7 +2124,7 @@ def mhc_compile_targets() -> list[tuple]:
     gemm = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "T": i, "N": i, "K": i, "stride_x": i, "stride_w": i, "stride_part": i, "stride_row": i,
             "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
     out = [(f"fp32 gemm {label}", mhc._fp32_gemm_kernel, gemm, {"SUMSQ": sumsq, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": n, "BLOCK_K": cfg["BLOCK_K"]},
-            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}) for label, sumsq, n in (("mhc mixes", True, 32), ("router", False, mhc.MAX_BLOCK_N))]
+            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}) for label, sumsq, n in (("mhc mixes", True, 32), ("router split", False, mhc.SPLIT_BLOCK_N), ("wide", False, mhc.WIDE_BLOCK_N))]
     out.append(("fp32 gemm chunk sum", mhc._sum_chunks_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32", "T": i, "N": i, "stride_part": i, "stride_row": i, "stride_out": i},
                 {"CHUNKS": mhc.fp32_chunks(5120)[1], "BLOCK_T": mhc.SUM_BLOCK_T, "BLOCK_N": 256}, {"num_warps": 4}))
     epi = {n: "*fp32" for n in ("part_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")}

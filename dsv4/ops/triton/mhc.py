@@ -62,11 +62,13 @@ from dsv4.ops.triton.fp8_gemm import num_sms
 # like BLOCK_T, since the tile's layout sets the order of the epilogue's sums.
 CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 512, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
 SUM_BLOCK_T = 4  # rows per program of `fp32_gemm`'s chunk sum
-# Output columns per GEMM program (mHC's 24 + 1 in one block). 64 (251 registers at 8 warps, no
-# spills) made the compressor's 1024 columns at prefill faster (S4-7: 8K 2.87 -> 2.37 ms) but a
-# router at batch 1 slower; unsplit calls could take it once the H200 shows a column's bits do
-# not depend on the block width for this kernel.
-MAX_BLOCK_N = 32
+# Output columns per GEMM program (mHC's 24 + 1 in one block): 32 when the K chunks are split
+# over programs (few rows: a router at batch 1 was 0.05 ms slower with 64, half the programs),
+# 64 otherwise (251 registers at 8 warps, no spills; x is read once per column block: the
+# prefill compressor's 1024 columns 2.87 -> 2.37 ms at 8K, S4-7). A column's bits do not depend
+# on the block width (check_kernels `invariance_fp32_gemm`, H200, fifth session).
+SPLIT_BLOCK_N = 32
+WIDE_BLOCK_N = 64
 # Columns per program of `hc_expand`.
 EXPAND_BLOCK_D = 1024
 
@@ -156,11 +158,11 @@ def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Ten
     t, k = x2.shape
     n = w.shape[0]
     cols = max(32, triton.next_power_of_2(n + 1 if sumsq else n))
-    block_n = min(cols, MAX_BLOCK_N)
     bt = CONFIG["BLOCK_T"]
     per, chunks = fp32_chunks(k)
     tiles = triton.cdiv(t, bt)
-    split = chunks if 2 * tiles * (cols // block_n) <= num_sms(x2.device) else 1
+    split = chunks if 2 * tiles * (cols // min(cols, SPLIT_BLOCK_N)) <= num_sms(x2.device) else 1
+    block_n = min(cols, SPLIT_BLOCK_N if split > 1 else WIDE_BLOCK_N)
     part = torch.empty(split, t, cols, dtype=torch.float32, device=x2.device)
     if t:
         _fp32_gemm_kernel[(tiles, split, cols // block_n)](
