@@ -2028,10 +2028,11 @@ def compile_targets() -> list[tuple]:
     norm = {"x_ptr": "*bf16:16", "w_ptr": "*bf16:16", "out_ptr": "*bf16:16", "stride_x": a, "stride_o": a, "N": a, "eps": f}
     for width in (512, 1280, 5120):
         out.append((f"rms_norm D={width}", rowwise._rms_norm_kernel, norm, {"WEIGHT_IN_FP32": False, "BLOCK": triton_next_pow2(width)}, {"num_warps": 4 if width <= 2048 else 8}))
-    rope = {"x_ptr": "*bf16:16", "cos_ptr": "*bf16:16", "sin_ptr": "*bf16:16", "out_ptr": "*bf16:16", "M": i, "D": a,
-            "stride_xt": a, "stride_xm": a, "stride_ot": a, "stride_om": a, "stride_c": a}
+    rope = {"x_ptr": "*bf16:16", "cos_ptr": "*bf16:16", "sin_ptr": "*bf16:16", "V": i, "M": i, "lead": a,
+            "stride_xt": a, "stride_xm": a, "stride_c": a}
     for inverse in (False, True):
-        out.append((f"rope D=512 inverse={inverse}", rowwise._rope_kernel, rope, {"HALF": 32, "INVERSE": inverse, "BLOCK": 512}, {"num_warps": 2, "enable_fp_fusion": False}))
+        out.append((f"rope D=512 inverse={inverse}", rowwise._rope_kernel, rope, {"HALF": 32, "INVERSE": inverse, "BLOCK_V": rowwise.ROPE_BLOCK_V},
+                    {"num_warps": 4, "enable_fp_fusion": False}))
     out.extend(attention_compile_targets())
     out.extend(kv_store_compile_targets())
     out.extend(engram_compile_targets())

@@ -46,7 +46,7 @@ from dsv4.ops import kv as kvops
 from dsv4.ops.linear import Linear, linear
 from dsv4.ops.mhc import hc_collapse, hc_expand, hc_head
 from dsv4.ops.norm import rms_norm
-from dsv4.ops.rope import RopeTables, apply_rope
+from dsv4.ops.rope import RopeTables, apply_rope_
 
 
 def _stage_role(cfg: ModelConfig, k: int) -> LayerRole:
@@ -177,7 +177,7 @@ class DSparkDraft:
         """A stage's window keys from main_x: kv_norm(wkv(.)) with the main rope (no attn_norm:
         main_x is already normalised)."""
         cos, sin = self.rope.cos_sin(positions, "main")
-        return apply_rope(attn.norm(attn.wkv(main_x), attn.kv_norm), cos, sin)
+        return apply_rope_(attn.norm(attn.wkv(main_x), attn.kv_norm), cos, sin)
 
     @torch.inference_mode()
     def prefill(self, main_x: torch.Tensor, positions: torch.Tensor, slot: int = 0) -> None:
@@ -223,14 +223,14 @@ class DSparkDraft:
         h, hd, w, dtype = cfg.num_heads, cfg.head_dim, cfg.window, x.dtype
         n = x.shape[0]
         cos, sin = self.rope.cos_sin(positions, "main")
-        q = apply_rope(attn.wq_b(attn.norm(attn.wq_a(x), attn.q_norm)).view(n, h, hd), cos, sin)
-        kv = kvops.round_trip(ring, apply_rope(attn.norm(attn.wkv(x), attn.kv_norm), cos, sin), "window")
+        q = apply_rope_(attn.wq_b(attn.norm(attn.wq_a(x), attn.q_norm)).view(n, h, hd), cos, sin)
+        kv = kvops.round_trip(ring, apply_rope_(attn.norm(attn.wkv(x), attn.kv_norm), cos, sin), "window")
         ring_pos = torch.arange(p - w + 1, p + 1, device=x.device)
         ring_keys = kvops.load(ring, (slot, ring_pos.clamp_min(0) % w), "window", dtype)
         ring_valid = (ring_pos >= 0).expand(n, w)
         block_valid = torch.ones(n, n, dtype=torch.bool, device=x.device)
         out = attn._attend(q, ring_keys.expand(n, w, hd), ring_valid, kv.expand(n, n, hd), block_valid)
-        return attn.project_out(apply_rope(out, cos, sin, inverse=True))
+        return attn.project_out(apply_rope_(out, cos, sin, inverse=True))
 
     @torch.inference_mode()
     def draft(self, anchor: int, p: int, main_x_p: torch.Tensor, *, slot: int = 0, greedy: bool = True, generator: torch.Generator | None = None) -> DSparkOutput:

@@ -42,11 +42,14 @@ class RopeTables:
         return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate adjacent channel pairs of the last 2*cos.shape[-1] channels. x: [T, ..., d];
-    cos/sin: [T, rd/2] (broadcast over the middle axes). `inverse` undoes the rotation."""
-    if on_triton(x) and x.dtype == torch.bfloat16 and x.dim() >= 2:  # one Triton kernel instead of ~10 launches
-        from dsv4.ops.triton.rowwise import apply_rope as kernel
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate adjacent channel pairs of the last 2*cos.shape[-1] channels of x in place and
+    return x. x: [T, ..., d]; cos/sin: [T, rd/2] (broadcast over the middle axes). `inverse`
+    undoes the rotation. In place because every caller rotates a fresh projection or attention
+    output: the leading channels are then neither read nor written (at prefill the copy was
+    most of the cost)."""
+    if on_triton(x) and x.dtype == torch.bfloat16 and x.dim() in (2, 3):  # one Triton kernel instead of ~10 launches
+        from dsv4.ops.triton.rowwise import apply_rope_ as kernel
 
         return kernel(x, cos, sin, inverse)
     rd = cos.shape[-1] * 2
@@ -56,5 +59,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
         sin = -sin
     rope = x[..., -rd:]
     even, odd = rope[..., 0::2].float(), rope[..., 1::2].float()
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+    rope.copy_(torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2))
+    return x
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`apply_rope_` on a copy of x (x is left as it is)."""
+    return apply_rope_(x.clone(), cos, sin, inverse)

@@ -44,10 +44,20 @@ def test_rope_matches_reference(shape, half, inverse):
     angles = torch.randn(shape[0], half, generator=g) * 3
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     ref = rope.apply_rope(x, cos, sin, inverse)
-    out = rowwise.apply_rope(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), inverse)
-    assert out.shape == x.shape
+    assert torch.equal(ref[..., : -2 * half], x[..., : -2 * half])  # the copy: x itself unchanged
+    # the kernel rotates in place; x is the first half of wider rows, whose second half must
+    # stay as it was
+    wide = torch.full((shape[0], *shape[1:-1], 2 * shape[-1]), 7.0).bfloat16()
+    wide[..., : shape[-1]] = x
+    wide_dev = wide.to(DEVICE)
+    target = wide_dev[..., : shape[-1]]
+    out = rowwise.apply_rope_(target, cos.to(DEVICE), sin.to(DEVICE), inverse)
+    assert out.data_ptr() == target.data_ptr() and out.shape == x.shape
     assert torch.equal(out.cpu(), ref)
+    assert torch.equal(wide_dev[..., shape[-1] :].cpu(), wide[..., shape[-1] :])
     assert not torch.equal(out.cpu()[..., -2 * half :], x[..., -2 * half :])  # it did rotate
+    # the torch code in place too
+    assert torch.equal(rope.apply_rope_(x.clone(), cos, sin, inverse), ref)
 
 
 def test_bad_shapes_are_refused():
@@ -55,4 +65,6 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="weight must be"):
         rowwise.rms_norm(x, torch.ones(32), 1e-6, False)
     with pytest.raises(ValueError, match="cos/sin must be"):
-        rowwise.apply_rope(x, torch.ones(4, 12), torch.ones(4, 12))
+        rowwise.apply_rope_(x, torch.ones(4, 12), torch.ones(4, 12))
+    with pytest.raises(ValueError, match="unit channel stride"):
+        rowwise.apply_rope_(torch.randn(4, 64, 2).bfloat16()[..., 0], torch.ones(4, 8), torch.ones(4, 8))

@@ -30,7 +30,7 @@ from dsv4.ops import indexer as index_ops
 from dsv4.ops import kv as kvops
 from dsv4.ops.linear import Linear, grouped_linear, linear, linear_fp32
 from dsv4.ops.norm import rms_norm
-from dsv4.ops.rope import RopeTables, apply_rope
+from dsv4.ops.rope import RopeTables, apply_rope, apply_rope_
 
 
 @dataclass
@@ -544,8 +544,8 @@ class Attention:
         block = (entry // per_block).clamp(max=step.block_tables.shape[1] - 1)
         where = (step.block_tables[rows.req.long(), block].long(), entry % per_block)
         keys = self.norm(linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)  # from the PRE-RoPE latent
-        kvops.store_rows(cache.idx[layer], "idx", apply_rope(keys, cos, sin), where, emit)
-        kvops.store_rows(cache.ckv[layer], "ckv", apply_rope(latent, cos, sin), where, emit)
+        kvops.store_rows(cache.idx[layer], "idx", apply_rope_(keys, cos, sin), where, emit)
+        kvops.store_rows(cache.ckv[layer], "ckv", apply_rope_(latent, cos, sin), where, emit)
 
     def select_fast(self, x: torch.Tensor, q_res: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> None:
         """The indexer on device metadata: FP4 scores of every visible entry (reindex layers:
@@ -557,7 +557,7 @@ class Attention:
         keys = cache.idx[role.kv_source]
         ih, ihd = cfg.index_n_heads, cfg.index_head_dim
         cos, sin = rows.derived(("rope", "compress"), lambda: self.rope.cos_sin(rows.positions, "compress"))
-        q = kvops.round_trip(keys, apply_rope(self.idx_wq_b(q_res).view(-1, ih, ihd), cos, sin), "idx")  # QAT: FP4 query
+        q = kvops.round_trip(keys, apply_rope_(self.idx_wq_b(q_res).view(-1, ih, ihd), cos, sin), "idx")  # QAT: FP4 query
         weights = linear(x, self.idx_weights.to(x.dtype)).float() * ih**-0.5
         # padding rows own no blocks: they see none
         visible = rows.derived(("visible", r), lambda: torch.where(rows.write, (rows.positions + 1) // r, 0))
@@ -595,9 +595,9 @@ class Attention:
         h, hd = cfg.num_heads, cfg.head_dim
         cos, sin = rows.derived(("rope", role.rope), lambda: self.rope.cos_sin(rows.positions, role.rope))
         q_res = self.norm(self.wq_a(x), self.q_norm)
-        q = apply_rope(self.wq_b(q_res).view(-1, h, hd), cos, sin)
+        q = apply_rope_(self.wq_b(q_res).view(-1, h, hd), cos, sin)
         ring = cache.ring[role.index]
-        kv = kvops.round_trip(ring, apply_rope(self.norm(self.wkv(x), self.kv_norm), cos, sin), "window")  # QAT: FP8
+        kv = kvops.round_trip(ring, apply_rope_(self.norm(self.wkv(x), self.kv_norm), cos, sin), "window")  # QAT: FP8
         if role.runs_indexer:
             with section("indexer"):
                 self.select_fast(x, q_res, rows, step, cache, shared)
@@ -611,7 +611,7 @@ class Attention:
         )
         where = rows.derived("ring_where", lambda: (step.slots[rows.req.long()], rows.positions % cfg.window))
         kvops.store_rows(ring, "window", kv, where, rows.ring_write(cfg.window))  # after attention: queries read the old ring
-        return self.project_out(apply_rope(out, cos, sin, inverse=True))
+        return self.project_out(apply_rope_(out, cos, sin, inverse=True))
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """The grouped low-rank output projection: heads [R, H, D] in o_groups groups, each
