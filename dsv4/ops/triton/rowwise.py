@@ -53,28 +53,31 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, V, M, lead, stride_xt, stride_xm, stri
     """In place: rotate the trailing pairs (even, odd) of BLOCK_V vectors (vector v = token
     v // M, vector v % M of it) by their token's angle: (e*c - o*s, e*s + o*c), fp32 math;
     INVERSE negates the sine. cos/sin [T, HALF] hold the activation dtype's rounding of the
-    angles. The `lead` channels before them are not touched (not read, not written)."""
+    angles. The `lead` channels before them are not touched (not read, not written). The
+    2*HALF rotated channels of a vector are one contiguous load and store (16-byte accesses),
+    split into even and odd channels in registers."""
     v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     ok = (v < V)[:, None]
     t = v // M
+    ch = x_ptr + (t * stride_xt + (v % M) * stride_xm + lead)[:, None] + tl.arange(0, 2 * HALF)[None, :]
+    pairs = tl.reshape(tl.load(ch, mask=ok, other=0.0).to(tl.float32), (BLOCK_V, HALF, 2))
+    even, odd = tl.split(pairs)
     p = tl.arange(0, HALF)[None, :]
-    pair = x_ptr + (t * stride_xt + (v % M) * stride_xm + lead)[:, None] + 2 * p
-    even = tl.load(pair, mask=ok).to(tl.float32)
-    odd = tl.load(pair + 1, mask=ok).to(tl.float32)
-    c = tl.load(cos_ptr + t[:, None] * stride_c + p, mask=ok).to(tl.float32)
-    s = tl.load(sin_ptr + t[:, None] * stride_c + p, mask=ok).to(tl.float32)
+    c = tl.load(cos_ptr + t[:, None] * stride_c + p, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t[:, None] * stride_c + p, mask=ok, other=0.0).to(tl.float32)
     if INVERSE:
         s = -s
     # each product rounded on its own, as the reference (the launch disables fp fusion)
     ec, os_, es, oc = even * c, odd * s, even * s, odd * c
-    tl.store(pair, (ec - os_).to(x_ptr.dtype.element_ty), mask=ok)
-    tl.store(pair + 1, (es + oc).to(x_ptr.dtype.element_ty), mask=ok)
+    out = tl.reshape(tl.join(ec - os_, es + oc), (BLOCK_V, 2 * HALF))
+    tl.store(ch, out.to(x_ptr.dtype.element_ty), mask=ok)
 
 
-# Rotated vectors per program: 64 x 32 pairs = 2048 channel pairs (16 per thread at 4 warps);
-# one vector per program (the copying kernel before) left a prefill's q rotation at ~0.17 ms a
-# layer for 8K tokens x 64 heads
-ROPE_BLOCK_V = 64
+# Rotated vectors per program: 16 x 64 channels, one 16-byte load per thread at 4 warps; a
+# decode step's 64 q heads spread over 4 programs (a 64-vector program was 5.7 us per call at
+# batch 1, and strided 2-byte accesses made an 8K prefill's rotations 4.6 ms; device, fifth
+# session)
+ROPE_BLOCK_V = 16
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
