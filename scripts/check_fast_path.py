@@ -42,7 +42,9 @@ from dsv4.model.layers import moe as moe_layer
 from dsv4.ops import attention, indexer, kv, mhc, norm, rope
 from dsv4.ops.linear import Linear, linear
 from dsv4.ops.moe import experts_forward
+from dsv4.ops import compressor as compressor_ops
 from dsv4.ops.triton import attention as t_attention
+from dsv4.ops.triton import compressor as t_compressor
 from dsv4.ops.triton import engram as t_engram
 from dsv4.ops.triton import fp8_gemm
 from dsv4.ops.triton import indexer as t_indexer
@@ -63,6 +65,7 @@ TOLERANCE = {
     # compact FP8 weights only run on the GPU (CPU runs load dequantised weights)
     "fp8_linear_w8a16": 1e-2, "moe_experts": 2e-2, "moe_experts_dense": 2e-2,
     "route_scores": 1e-5,  # the same experts (else inf); weights to fp32 rounding of the logits (summed in another order than cuBLAS's)
+    "compress_entries": 1e-2,  # the norm's sum of squares in another order (as rms_norm); cache bytes: their share
     "linear_fp32": 1e-5,  # the compressor's fp32 projections: fp32 sums in another order
 }
 
@@ -139,6 +142,32 @@ class Checker:
         setattr(t_kv, name, checked)
 
 
+    def wrap_compressor(self) -> None:
+        """`compress_entries` returns entries and writes the compressed cache: the torch code
+        runs on a copy of the cache taken before the kernel; the error is the entries' (a
+        differing emit flag or location is inf) or, if larger, the share of cache bytes that
+        differ."""
+        kernel = t_compressor.compress_entries
+
+        def checked(*args):
+            ckv = args[16]
+            before = (ckv.codes.clone(), ckv.scales.clone())
+            out = kernel(*args)
+            after = (ckv.codes.clone(), ckv.scales.clone())
+            ckv.codes.copy_(before[0])
+            ckv.scales.copy_(before[1])
+            ref = _reference(compressor_ops.compress_entries, *args)
+            same = torch.equal(out[2], ref[2]) and torch.equal(out[1][1], ref[1][1]) and torch.equal(out[1][0][ref[2]], ref[1][0][ref[2]])
+            differing = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(after, (ckv.codes, ckv.scales)))
+            stored = max(1, int(ref[2].sum()) * (ckv.codes.shape[-1] + ckv.scales.shape[-1]))
+            self.errors["compress_entries"].append(max(_rel(out[0], ref[0]), differing / stored) if same else float("inf"))
+            ckv.codes.copy_(after[0])
+            ckv.scales.copy_(after[1])
+            return out
+
+        t_compressor.compress_entries = checked
+
+
 def install(checker: Checker) -> None:
     c = checker
     c.wrap(t_attention, "sparse_attention", attention.sparse_attention)
@@ -162,6 +191,7 @@ def install(checker: Checker) -> None:
     c.wrap(t_kv, "round_trip", lambda kind, x: kv.round_trip(QTensor(codes=x), x, kind))
     c.wrap_store("store_rows", kv.store_rows)
     c.wrap_store("store_plain", kv.store_plain)
+    c.wrap_compressor()
     c.wrap(t_engram, "hash_ids", lambda ids, req, local, pos, prev, tmap, mult, primes, offsets, pad: _hash_reference(ids, req, local, pos, prev, tmap, mult, primes, offsets, pad))
     c.wrap(t_engram, "lookup", lambda table, scale, ids, dtype: _lookup_reference(table, scale, ids, dtype))
     c.wrap(t_engram, "gate", lambda streams, kv_rows, weight, eps: _gate_reference(streams, kv_rows, weight, eps))

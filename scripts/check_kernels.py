@@ -1499,6 +1499,54 @@ def kv_plain_case(t: int) -> None:
     record("kv_store", f"plain fp32 T={t} D=512", "triton", ok=torch.equal(got, ref), **perf(t_k, nbytes, 0, "bf16"))
 
 
+def compressor_case(t: int) -> None:
+    """`compress_entries` at V4.1's widths (ratio 2, 512 channels, 32 RoPE pairs): the kernel
+    against the torch reference (dsv4.ops.compressor) on T rows: decode rows at random odd and
+    even positions (half of them read the tail) up to T = 64, else requests of 2048 rows from
+    odd starts. Entries within 2 bf16 ulps (the norm's sum order can move the fp32 rstd by an
+    ulp, the normalised value's bf16 by one, its product with the weight by two: S5-2 saw 2 at
+    T = 8192, with the same cache bytes), the same emit flags and
+    locations, cache bytes compared; time both. Bytes: the fp32 kv / gate rows and tails read,
+    the bf16 entries and FP4 entries written."""
+    from dsv4.cache.storage import _alloc
+    from dsv4.ops import compressor, torch_only
+    from dsv4.ops.triton import compressor as tcompressor
+
+    w, r, block_size = 512, 2, 256
+    g = torch.Generator(device="cuda").manual_seed(t)
+    per = 1 if t <= 64 else 2048
+    b = t // per
+    starts = torch.randint(0, 60000, (b,), device="cuda", generator=g) | (1 if per > 1 else 0)
+    counts = torch.full((b,), per, device="cuda")
+    req = torch.arange(t, device="cuda") // per
+    row0 = (torch.arange(b, device="cuda") * per).int()
+    positions = starts[req] + torch.arange(t, device="cuda") % per
+    n_blocks = b * 256
+    tables = torch.randperm(n_blocks, device="cuda", generator=g).view(b, 256).int()
+    both = torch.randn(t, 2 * w, device="cuda", generator=g) * 2
+    tails = [torch.randn(b, r, w, device="cuda", generator=g) for _ in range(2)]
+    angles = torch.randn(t, 32, device="cuda", generator=g) * 3
+    args = [both[:, :w], both[:, w:], *tails, req.int(), positions, starts, row0, torch.ones(t, dtype=torch.bool, device="cuda"),
+            torch.arange(b, device="cuda"), torch.zeros(b, dtype=torch.long, device="cuda"), tables,
+            (torch.rand(w, device="cuda", generator=g) + 0.5).bfloat16(), 1e-6, angles.cos().bfloat16(), angles.sin().bfloat16()]
+    got, ref = (_alloc((n_blocks, block_size // r), w, "fp4_e4m3", torch.bfloat16, "cuda") for _ in range(2))
+    latent, where, emit = tcompressor.compress_entries(*args, got, r, block_size, torch.bfloat16)
+    with torch_only():
+        ref_latent, ref_where, ref_emit = compressor.compress_entries(*args, ref, r, block_size, torch.bfloat16)
+    ordered = lambda a: torch.where(a.view(torch.int16) < 0, -32768 - a.view(torch.int16).int(), a.view(torch.int16).int())
+    ulps = (ordered(latent) - ordered(ref_latent)).abs().max().item()
+    same_rows = torch.equal(emit, ref_emit) and torch.equal(where[1], ref_where[1]) and torch.equal(where[0][emit], ref_where[0][emit])
+    differing = int((got.codes != ref.codes).sum()) + int((got.scales.view(torch.uint8) != ref.scales.view(torch.uint8)).sum())
+    n_emit = int(ref_emit.sum())
+    nbytes = t * 2 * w * 4 * 2 + t * w * 2 + n_emit * (w // 2 + w // 16)
+    case = f"ratio 2 W={w} T={t}"
+    t_k = median_time(lambda: tcompressor.compress_entries(*args, got, r, block_size, torch.bfloat16))
+    record("compressor", case, "triton", ok=ulps <= 2 and same_rows, ulps=ulps, differing_cache_bytes=differing, **perf(t_k, nbytes, 0, "bf16"))
+    with torch_only():
+        t_r = median_time(lambda: compressor.compress_entries(*args, ref, r, block_size, torch.bfloat16))
+    record("compressor", case, "torch", **perf(t_r, nbytes, 0, "bf16"))
+
+
 def kv_round_trip_case(kind: str, t: int) -> None:
     """round_trip (the window KV / indexer query fake quantisation) against the torch
     decode(encode(x)): the same bits; time both. Indexer queries are [T, 32, 128]."""
@@ -1534,6 +1582,8 @@ def section_kv_store() -> None:
             guarded("kv_store", f"{kind} T={t}", kv_store_case, kind, t)
     for t in (1, 4096):
         guarded("kv_store", f"plain T={t}", kv_plain_case, t)
+    for t in (1, 64, 8192):
+        guarded("compressor", f"T={t}", compressor_case, t)
 
 
 # ------------------------------------------------------------------------------ engram
@@ -2096,6 +2146,17 @@ def kv_store_compile_targets() -> list[tuple]:
     for kind, block, d in (("window", 32, 512), ("ckv", 16, 512), ("idx", 32, 128)):
         consts = {"FP8": kind == "window", "E4M3_SCALE": kind == "ckv", "BLOCK": block, "NB_P": d // block, "BLOCK_T": kv._rows_per_program(d)}
         out.append((f"kv round_trip {kind}", kv._round_trip_kernel, trip, consts, {"num_warps": 4}))
+    from dsv4.ops.triton import compressor
+
+    comp = {n: "*i64" for n in ("pos_ptr", "start_ptr", "slot_ptr", "emit_from_ptr", "block_out_ptr", "offset_out_ptr")}
+    comp.update(kv_ptr="*fp32", gate_ptr="*fp32", tail_kv_ptr="*fp32", tail_gate_ptr="*fp32", req_ptr="*i32", row0_ptr="*i32", write_ptr="*u8",
+                block_table_ptr="*i32", norm_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", codes_ptr="*u8", scales_ptr="*fp8e4nv", out_ptr="*bf16",
+                emit_out_ptr="*i8", eps="fp32", **{n: i for n in ("R", "n_cols", "S", "stride_kv", "stride_tail_s", "stride_tail_j", "stride_bt",
+                                                                 "stride_cos", "stride_c0", "stride_c1", "stride_s0", "stride_s1")})
+    for ratio in (2, 1):
+        types = comp if ratio > 1 else dict(comp, kv_ptr="*bf16", gate_ptr="*bf16", tail_kv_ptr="*bf16", tail_gate_ptr="*bf16")
+        consts = {"RATIO": ratio, "W": 512, "ROPE_PAIRS": 32, "PER_BLOCK": 256 // ratio, "BLOCK_T": compressor.BLOCK_T}
+        out.append((f"compressor ratio {ratio}", compressor._compress_kernel, types, consts, {"num_warps": 4, "enable_fp_fusion": False}))
     return out
 
 

@@ -13,13 +13,15 @@ if not torch.cuda.is_available():
 
 
 def _patch_interpreter() -> None:
-    """Work around three defects of Triton's interpreter (seen in 3.6 and 3.9) so that it
+    """Work around four defects of Triton's interpreter (seen in 3.6 and 3.9) so that it
     computes what the GPU computes: (1) scalars are 1-element arrays and `int()` of them fails
     with numpy 2.4 (loop bounds derived from program ids); (2) `tl.dot` of bf16 operands
     multiplies their raw uint16 bit patterns; (3) fp32 -> bf16 casts truncate instead of
-    rounding to nearest even."""
+    rounding to nearest even; (4) libdevice's functions are not interpreted at all: `exp`
+    (the compressor's, CUDA's expf on the GPU) becomes the interpreter's `tl.exp`, numpy's."""
     import numpy as np
     import triton.language as tl
+    from triton.language.extra import libdevice
     from triton.runtime import interpreter as interp
 
     if getattr(interp, "_dsv4_patched", False):
@@ -49,6 +51,7 @@ def _patch_interpreter() -> None:
             return interp.TensorHandle(rounded, tl.bfloat16)
         return cast_impl(self, src, dst_type)
 
+    libdevice.exp = lambda x: tl.exp(x)
     interp._patch_lang_tensor = patched_tensor
     interp.InterpreterBuilder.create_dot = patched_dot
     interp.InterpreterBuilder.cast_impl = patched_cast

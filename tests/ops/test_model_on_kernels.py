@@ -25,3 +25,4 @@ def test_every_kernel_agrees_with_its_reference_inside_the_model():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     calls = [line for line in proc.stdout.splitlines() if " calls " in line]
     assert len(calls) >= 15, proc.stdout  # every kernel of the fast path was exercised
+    assert any(line.split()[0] == "compress_entries" for line in calls), proc.stdout  # the fused compressor (its own wrapper)

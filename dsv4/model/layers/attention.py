@@ -26,6 +26,7 @@ from dsv4.model.batch import ForwardBatch
 from dsv4.model.sections import section
 from dsv4.model.step import Rows, Step
 from dsv4.ops import attention as attention_ops
+from dsv4.ops import compressor as compressor_ops
 from dsv4.ops import indexer as index_ops
 from dsv4.ops import kv as kvops
 from dsv4.ops.linear import Linear, grouped_linear, linear, linear_fp32
@@ -301,34 +302,31 @@ class Compressor:
         prev_gate[slot] = gate[-1, :, :w].float()
         return new_kv, new_gate
 
-    def fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tuple, torch.Tensor]:
         """Fast path (V4.1, no overlap): the entry every row would complete, computed for all
-        rows with fixed shapes. -> (pre-RoPE entries [R, width], entry index [R], emit [R]:
-        the row completes its group, which is not cached yet). The rows of each request's
-        trailing incomplete group go to its state slot's tail."""
+        rows with fixed shapes; the completed ones (not cached yet) go to the compressed KV
+        cache, RoPE-rotated by cos / sin (the angles of each row's entry position), in FP4
+        (`ops.compressor.compress_entries`). -> (pre-RoPE entries
+        [R, width], their cache locations, emit [R]: the row's entry was stored). The rows of
+        each request's trailing incomplete group then go to its state slot's tail."""
         r, dtype = self.ratio, x.dtype
-        req = rows.req.long()
-        emit = rows.write & (rows.positions - rows.positions % r >= step.emit_from[req])  # groups of a prefix hit are cached
+        common = (rows.req, rows.positions, rows.start, rows.row0, rows.write, step.slots, step.emit_from, step.block_tables,
+                  self.norm, self.cfg.rms_norm_eps, cos, sin, cache.ckv[layer], r, cache.block_size, dtype)
         if r == 1:  # every token is its own entry, no gate
-            return self._norm(linear(x, self.wkv.to(dtype))), rows.positions, emit
+            return compressor_ops.compress_entries(linear(x, self.wkv.to(dtype)), None, None, None, *common)
         kv_all, gate_all = self._fp32_projections(x)  # fp32 pooling math, as the reference
         tail_kv, tail_gate = cache.tail_kv[layer, self.state], cache.tail_gate[layer, self.state]
-        # the r positions of each row's group; those before the step come from the tail
-        group = (rows.positions - rows.positions % r).unsqueeze(1) + torch.arange(r, device=x.device)
-        first = rows.start[req].unsqueeze(1)
-        in_step = group >= first
-        src = (rows.row0[req].unsqueeze(1) + group - first).clamp(0, rows.num_rows - 1)
-        slot = step.slots[req].unsqueeze(1).expand(-1, r)
-        kv = torch.where(in_step.unsqueeze(-1), kv_all[src], tail_kv[slot, group % r])
-        gate = torch.where(in_step.unsqueeze(-1), gate_all[src], tail_gate[slot, group % r])
-        latent = self._norm((kv * gate.softmax(dim=1)).sum(dim=1).to(dtype))
-        emit = emit & (rows.positions % r == r - 1)
-        end = rows.start[req] + rows.count[req]
-        pending = rows.write & (rows.positions >= end - end % r)  # the trailing incomplete group
-        where = (step.slots[req], rows.positions % r)
+        out = compressor_ops.compress_entries(kv_all, gate_all, tail_kv, tail_gate, *common)
+        # after the pooling read the tails: the trailing incomplete group of each request
+        def tail_rows():
+            req = rows.req.long()
+            end = rows.start[req] + rows.count[req]
+            return rows.write & (rows.positions >= end - end % r), (step.slots[req], rows.positions % r)
+
+        pending, where = rows.derived(("tail_rows", r), tail_rows)
         kvops.store_plain(tail_kv, where, kv_all, pending)
         kvops.store_plain(tail_gate, where, gate_all, pending)
-        return latent, rows.positions // r, emit
+        return out
 
 
 class Attention:
@@ -537,15 +535,12 @@ class Attention:
 
     def compress_fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage) -> None:
         layer, r = self.role.index, self.role.compress_ratio
-        latent, entry, emit = self.compressor.fast(x, rows, step, cache, layer)
-        cos, sin = self.rope.cos_sin(entry * r, "compress")
-        per_block = cache.block_size // r
-        # a padding row's position may lie past the table (its writes are masked off)
-        block = (entry // per_block).clamp(max=step.block_tables.shape[1] - 1)
-        where = (step.block_tables[rows.req.long(), block].long(), entry % per_block)
+        # each row's entry position is its group's first (ratio 1: its own, the indexer's angles)
+        cos, sin = rows.derived(("rope", "compress") if r == 1 else ("rope", "compress", r),
+                                lambda: self.rope.cos_sin(rows.positions - rows.positions % r, "compress"))
+        latent, where, emit = self.compressor.fast(x, rows, step, cache, layer, cos, sin)
         keys = self.norm(linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)  # from the PRE-RoPE latent
         kvops.store_rows(cache.idx[layer], "idx", apply_rope_(keys, cos, sin), where, emit)
-        kvops.store_rows(cache.ckv[layer], "ckv", apply_rope_(latent, cos, sin), where, emit)
 
     def select_fast(self, x: torch.Tensor, q_res: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> None:
         """The indexer on device metadata: FP4 scores of every visible entry (reindex layers:
