@@ -28,6 +28,20 @@ BLOCK_T = 2  # rows per program: 2 x 512 channels, 4 warps (decode rows get a pr
 
 
 @triton.jit
+def _member(step_ptr, tail_ptr, j, g0, first, row0, slot, R, stride_row, stride_tail_s, stride_tail_j, p, ok):
+    """(even, odd) channels of position g0 + j of each row's group: this step's row of it
+    (row0 + position - first, clamped in range for the rows that do not read it) or, before
+    the request's first position, the tail slot's entry j."""
+    in_step = (g0 + j >= first)[:, None]
+    src = tl.minimum(tl.maximum(row0 + g0 + j - first, 0), R - 1)[:, None]
+    step = step_ptr + src * stride_row + 2 * p
+    tail = tail_ptr + (slot * stride_tail_s + j * stride_tail_j)[:, None] + 2 * p
+    even = tl.where(in_step, tl.load(step, mask=ok & in_step, other=0.0), tl.load(tail, mask=ok & ~in_step, other=0.0))
+    odd = tl.where(in_step, tl.load(step + 1, mask=ok & in_step, other=0.0), tl.load(tail + 1, mask=ok & ~in_step, other=0.0))
+    return even, odd
+
+
+@triton.jit
 def _compress_kernel(
     kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, req_ptr, pos_ptr, start_ptr, row0_ptr, write_ptr, slot_ptr, emit_from_ptr,
     block_table_ptr, norm_ptr, cos_ptr, sin_ptr, codes_ptr, scales_ptr, out_ptr, block_out_ptr, offset_out_ptr, emit_out_ptr,
@@ -55,39 +69,21 @@ def _compress_kernel(
         m_e = tl.full((BLOCK_T, HALF), float("-inf"), dtype=tl.float32)
         m_o = tl.full((BLOCK_T, HALF), float("-inf"), dtype=tl.float32)
         for j in tl.static_range(RATIO):
-            in_step = (g0 + j >= first)[:, None]
-            src = tl.minimum(tl.maximum(row0 + g0 + j - first, 0), R - 1)[:, None]
-            step_ge = gate_ptr + src * stride_kv + 2 * p
-            tail_ge = tail_gate_ptr + (slot * stride_tail_s + j * stride_tail_j)[:, None] + 2 * p
-            ge = tl.where(in_step, tl.load(step_ge, mask=ok2 & in_step, other=0.0), tl.load(tail_ge, mask=ok2 & ~in_step, other=0.0))
-            go = tl.where(in_step, tl.load(step_ge + 1, mask=ok2 & in_step, other=0.0), tl.load(tail_ge + 1, mask=ok2 & ~in_step, other=0.0))
+            ge, go = _member(gate_ptr, tail_gate_ptr, j, g0, first, row0, slot, R, stride_kv, stride_tail_s, stride_tail_j, p, ok2)
             m_e = tl.maximum(m_e, ge)
             m_o = tl.maximum(m_o, go)
         # pass 2: exp and their sum; pass 3: the weighted sum (softmax = exp / sum, then * kv)
         s_e = tl.zeros((BLOCK_T, HALF), dtype=tl.float32)
         s_o = tl.zeros((BLOCK_T, HALF), dtype=tl.float32)
         for j in tl.static_range(RATIO):
-            in_step = (g0 + j >= first)[:, None]
-            src = tl.minimum(tl.maximum(row0 + g0 + j - first, 0), R - 1)[:, None]
-            step_ge = gate_ptr + src * stride_kv + 2 * p
-            tail_ge = tail_gate_ptr + (slot * stride_tail_s + j * stride_tail_j)[:, None] + 2 * p
-            ge = tl.where(in_step, tl.load(step_ge, mask=ok2 & in_step, other=0.0), tl.load(tail_ge, mask=ok2 & ~in_step, other=0.0))
-            go = tl.where(in_step, tl.load(step_ge + 1, mask=ok2 & in_step, other=0.0), tl.load(tail_ge + 1, mask=ok2 & ~in_step, other=0.0))
+            ge, go = _member(gate_ptr, tail_gate_ptr, j, g0, first, row0, slot, R, stride_kv, stride_tail_s, stride_tail_j, p, ok2)
             s_e += libdevice.exp(ge - m_e)
             s_o += libdevice.exp(go - m_o)
         le = tl.zeros((BLOCK_T, HALF), dtype=tl.float32)
         lo = tl.zeros((BLOCK_T, HALF), dtype=tl.float32)
         for j in tl.static_range(RATIO):
-            in_step = (g0 + j >= first)[:, None]
-            src = tl.minimum(tl.maximum(row0 + g0 + j - first, 0), R - 1)[:, None]
-            step_ge = gate_ptr + src * stride_kv + 2 * p
-            tail_ge = tail_gate_ptr + (slot * stride_tail_s + j * stride_tail_j)[:, None] + 2 * p
-            step_kv = kv_ptr + src * stride_kv + 2 * p
-            tail_kv = tail_kv_ptr + (slot * stride_tail_s + j * stride_tail_j)[:, None] + 2 * p
-            ge = tl.where(in_step, tl.load(step_ge, mask=ok2 & in_step, other=0.0), tl.load(tail_ge, mask=ok2 & ~in_step, other=0.0))
-            go = tl.where(in_step, tl.load(step_ge + 1, mask=ok2 & in_step, other=0.0), tl.load(tail_ge + 1, mask=ok2 & ~in_step, other=0.0))
-            ke = tl.where(in_step, tl.load(step_kv, mask=ok2 & in_step, other=0.0), tl.load(tail_kv, mask=ok2 & ~in_step, other=0.0))
-            ko = tl.where(in_step, tl.load(step_kv + 1, mask=ok2 & in_step, other=0.0), tl.load(tail_kv + 1, mask=ok2 & ~in_step, other=0.0))
+            ge, go = _member(gate_ptr, tail_gate_ptr, j, g0, first, row0, slot, R, stride_kv, stride_tail_s, stride_tail_j, p, ok2)
+            ke, ko = _member(kv_ptr, tail_kv_ptr, j, g0, first, row0, slot, R, stride_kv, stride_tail_s, stride_tail_j, p, ok2)
             le += ke * tl.math.div_rn(libdevice.exp(ge - m_e), s_e)
             lo += ko * tl.math.div_rn(libdevice.exp(go - m_o), s_o)
         le = le.to(tl.bfloat16).to(tl.float32)
