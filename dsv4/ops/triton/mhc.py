@@ -53,14 +53,16 @@ import triton.language as tl
 from dsv4.ops.triton.fp8_gemm import num_sms
 
 # GEMM tiling: rows per program (fixed for every T: a row's product must not depend on its
-# batch), K step, chunk (the unit of the split and of the fixed-order chunk sum; 40 chunks at
-# hc*D = 20480: enough programs for decode, and in split mode the partial sums write 1/8 of
-# x's bytes and read them back). 8 warps: with 4, ptxas needs 255 registers and spills on
+# batch), K step, chunk (the unit of the split and of the fixed-order chunk sum; 80 chunks at
+# hc*D = 20480: a decode call's programs run 4 serial K steps instead of 8 with 512-input
+# chunks, mHC 0.46 -> 0.41 ms and the router 1.11 -> 1.07 ms of a batch-1 step, S5-4; the 8K
+# prefill's unsplit mixes +0.25 ms, within that run's noise; in split mode the partial sums
+# write 1/4 of x's bytes and read them back). 8 warps: with 4, ptxas needs 255 registers and spills on
 # sm_90 (x is both a tensor-core operand and squared in registers). check_kernels.py times
 # alternatives. EPI_BLOCK_T: the epilogue's rows per program, on one warp: at hc = 4 its
 # 2 x 4 x 4 comb tile is one entry per lane (why: `_mixes_epilogue_kernel`); fixed for every T
 # like BLOCK_T, since the tile's layout sets the order of the epilogue's sums.
-CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 512, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
+CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 256, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
 SUM_BLOCK_T = 4  # rows per program of `fp32_gemm`'s chunk sum
 # Output columns per GEMM program (mHC's 24 + 1 in one block): 32 when the K chunks are split
 # over programs (few rows: a router at batch 1 was 0.05 ms slower with 64, half the programs),
