@@ -305,10 +305,10 @@ class Compressor:
     def fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tuple, torch.Tensor]:
         """Fast path (V4.1, no overlap): the entry every row would complete, computed for all
         rows with fixed shapes; the completed ones (not cached yet) go to the compressed KV
-        cache, RoPE-rotated by cos / sin (the angles of each row's entry position), in FP4
-        (`ops.compressor.compress_entries`). -> (pre-RoPE entries
-        [R, width], their cache locations, emit [R]: the row's entry was stored). The rows of
-        each request's trailing incomplete group then go to its state slot's tail."""
+        cache in FP4, rotated by cos / sin (the angles of each row's entry position), by
+        `ops.compressor.compress_entries`. -> (pre-RoPE entries [R, width], their cache
+        locations, emit [R]: the row's entry was stored). The rows of each request's trailing
+        incomplete group then go to its state slot's tail."""
         r, dtype = self.ratio, x.dtype
         common = (rows.req, rows.positions, rows.start, rows.row0, rows.write, step.slots, step.emit_from, step.block_tables,
                   self.norm, self.cfg.rms_norm_eps, cos, sin, cache.ckv[layer], r, cache.block_size, dtype)
