@@ -211,12 +211,12 @@ def _w8a16_reference(x, w, s, block, groups=1):
     return torch.cat([linear(x[..., g * k : (g + 1) * k], dense[g * n : (g + 1) * n]) for g in range(groups)], dim=-1)
 
 
-def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down):
+def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down, out_dtype=torch.float32):
     """The per-expert torch loop on the same FP8 experts, dequantised (dsv4.ops.moe)."""
     inter = w13.shape[1] // 2
     rows = lambda w, s: [Linear(w[e], s[e], 0, row_scales=True) for e in range(w.shape[0])]
     return experts_forward(x, weights, ids, rows(w13[:, :inter], s13[:, :inter]), rows(w2, s2), rows(w13[:, inter:], s13[:, inter:]),
-                           limit, weight_before_down).float()
+                           limit, weight_before_down).float().to(out_dtype)
 
 
 # The engram references are methods of the layer objects; these call them on a stand-in.

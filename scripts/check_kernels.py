@@ -2057,9 +2057,10 @@ def compile_targets() -> list[tuple]:
         bt = moe.MOE["rows"][0][1]["BLOCK_T"]
         consts = {"BLOCK_T": bt, "E_BLOCK": e_block, "P_BLOCK": moe.ALIGN_P_BLOCK, "FILL": 256}
         out.append((f"moe align E<{e_block}", moe._align_kernel, align, consts, {"num_warps": 4}))
-    for gather in (False, True):
-        out.append((f"moe slot sum{' gathered' if gather else ''}", moe._sum_slots_kernel, {"y_ptr": "*bf16:16", "ids_ptr": "*i64:16", "row_ptr": "*i64:16", "out_ptr": "*fp32:16", "D": a},
-                    {"TOPK": 6, "K_BLOCK": 8, "BLOCK": 1024, "GATHER": gather}, {"num_warps": 4}))
+    for gather, out_type in ((False, "fp32"), (False, "bf16"), (True, "bf16")):  # bf16: V4.1's layer output
+        out.append((f"moe slot sum{' gathered' if gather else ''} -> {out_type}", moe._sum_slots_kernel,
+                    {"y_ptr": "*bf16:16", "ids_ptr": "*i64:16", "row_ptr": "*i64:16", "out_ptr": f"*{out_type}:16", "D": a},
+                    {"TOPK": 7, "K_BLOCK": 8, "BLOCK": 1024, "GATHER": gather}, {"num_warps": 4}))
     import triton
 
     from dsv4.ops.triton import mhc, router

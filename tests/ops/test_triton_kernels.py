@@ -747,6 +747,11 @@ def test_moe_experts_dense_matches_reference(weight_before_down):
         assert (y.cpu() - ref).abs().max() <= 3 * BF16_REL * ref.abs().max()
     # the grouped (decode) kernels on the same inputs: the same roundings
     assert _rel_err(y, moe.moe_experts(*dev, limit, weight_before_down).cpu()) <= 2 * BF16_REL
+    # out_dtype bf16 (V4.1's layer output): the fp32 sum rounded once, in the slot-sum kernel
+    for kernel in (moe.moe_experts_dense, moe.moe_experts):
+        want = kernel(*dev, limit, weight_before_down)
+        got = kernel(*dev, limit, weight_before_down, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.cpu(), want.cpu().bfloat16())
 
 
 def test_moe_experts_dense_rejects_bad_inputs(monkeypatch):
@@ -760,6 +765,10 @@ def test_moe_experts_dense_rejects_bad_inputs(monkeypatch):
         moe.moe_experts_dense(x[:, :32], ids, weights, w13, s13, w2, s2, 10.0, True)
     empty = moe.moe_experts_dense(x[:0], ids[:0], weights[:0], w13, s13, w2, s2, 10.0, True)
     assert empty.shape == (0, 64) and empty.dtype == torch.float32
+    for kernel in (moe.moe_experts_dense, moe.moe_experts):
+        with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16"):
+            kernel(x, ids, weights, w13, s13, w2, s2, 10.0, True, torch.float16)
+        assert kernel(x[:0], ids[:0], weights[:0], w13, s13, w2, s2, 10.0, True, torch.bfloat16).dtype == torch.bfloat16
     monkeypatch.setitem(moe.MOE, "DENSE_TEMP_BYTES", w13.numel())  # half the bf16 copy
     assert not moe.dense_fits(w13)
     with pytest.raises(ValueError, match="DENSE_TEMP_BYTES"):

@@ -104,11 +104,14 @@ class MoE:
 
             dense = indices.numel() >= DENSE_EXPERT_PAIRS * experts and self.dense_fits
             grouped = moe_experts_dense if dense else moe_experts
-            routed = grouped(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41)
+            # with the shared expert in the stack the sum is the layer's output: rounded to the
+            # activation dtype in the kernel
+            out_dtype = x.dtype if self.shared_in_grouped else torch.float32
+            routed = grouped(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41, out_dtype)
         else:
             routed = moe_ops.experts_forward(x, weights, indices, *self._unstacked(), cfg.swiglu_limit, self.v41)
         if self.shared_in_grouped:
-            return routed.to(x.dtype)
+            return routed.to(x.dtype)  # already in it on the kernels
         shared = self.s2(moe_ops.swiglu(self.s1(x), self.s3(x), cfg.swiglu_limit).to(x.dtype))
         if self.v41:
             return (routed + shared.float()).to(x.dtype)

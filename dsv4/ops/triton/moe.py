@@ -376,8 +376,9 @@ def _down_kernel(
 
 @triton.jit
 def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
-    """out[t] = ((0 + y[t, s_0]) + y[t, s_1]) + ... in fp32, s_0, s_1, ... the token's slots in
-    ascending expert id (ties in slot order): the order the reference adds experts in.
+    """out[t] = ((0 + y[t, s_0]) + y[t, s_1]) + ... in fp32 (stored in out's dtype), s_0, s_1,
+    ... the token's slots in ascending expert id (ties in slot order): the order the reference
+    adds experts in.
     GATHER: pair p = t * TOPK + s is row row_ptr[p] of y (else row p)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -393,7 +394,7 @@ def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K
         if GATHER:
             row = tl.load(row_ptr + row)
         total += tl.load(y_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + cols, total, mask=ok)
+    tl.store(out_ptr + t * D + cols, total.to(out_ptr.dtype.element_ty), mask=ok)  # fp32, or rounded once to bf16
 
 
 def moe_config(pairs: int, experts: int) -> dict:
@@ -437,13 +438,18 @@ def align_by_expert(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
     return rows, tile_expert
 
 
-def _slot_sums(y: torch.Tensor, ids: torch.Tensor, pair_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 [T, D]: the sum of each token's k rows of y (bf16 [T * k, D] contiguous; row =
-    token * k + slot, or pair_rows[token * k + slot] when given) in ascending expert id
-    (kernel 3)."""
+def _check_out_dtype(name: str, out_dtype: torch.dtype) -> None:
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+
+
+def _slot_sums(y: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype, pair_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, D] in out_dtype (fp32, or bf16: the fp32 sum rounded once): the sum of each token's k
+    rows of y (bf16 [T * k, D] contiguous; row = token * k + slot, or pair_rows[token * k +
+    slot] when given) in ascending expert id (kernel 3)."""
     t, topk = ids.shape
     d = y.shape[1]
-    out = torch.empty(t, d, dtype=torch.float32, device=y.device)
+    out = torch.empty(t, d, dtype=out_dtype, device=y.device)
     _sum_slots_kernel[(t, triton.cdiv(d, 1024))](
         y, ids, ids if pair_rows is None else pair_rows, out, d,
         TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, GATHER=pair_rows is not None, num_warps=4,
@@ -459,8 +465,9 @@ def dense_fits(w13: torch.Tensor) -> bool:
 
 
 def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
-                      w2: torch.Tensor, w2_scale: torch.Tensor, limit: float, weight_before_down: bool) -> torch.Tensor:
-    """`moe_experts` for compute-bound loads (prefill): the same arguments, semantics and fp32
+                      w2: torch.Tensor, w2_scale: torch.Tensor, limit: float, weight_before_down: bool,
+                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`moe_experts` for compute-bound loads (prefill): the same arguments, semantics and
     result, by bf16 grouped GEMMs (`torch._grouped_mm`, CUTLASS on sm_90: 87% of the bf16
     peak at 8K tokens on 65 experts, device run 2) over the experts dequantised exactly to
     bf16 (`fp8_gemm.dequant_fp8`, one pass; FP8 codes times power-of-two scales are exact in
@@ -473,6 +480,7 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     row per pair (in expert order), and kernel 3 sums a token's rows in ascending expert id in
     fp32, reading them through the inverse of the sort. Nothing
     syncs with the host (CUDA-graph capturable). The experts must fit `dense_fits`."""
+    _check_out_dtype("moe_experts_dense", out_dtype)
     t, topk = topk_ids.shape
     n_experts, two_i, d = w13.shape
     inter = two_i // 2
@@ -484,7 +492,7 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         raise ValueError(f"moe_experts_dense: {n_experts} experts need {w13.numel() * 2 >> 20} MiB of bf16 copies, over MOE['DENSE_TEMP_BYTES']")
     n_pairs = t * topk
     if n_pairs == 0:
-        return torch.zeros(t, d, dtype=torch.float32, device=x.device)
+        return torch.zeros(t, d, dtype=out_dtype, device=x.device)
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
     counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
@@ -508,7 +516,7 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     # back to pair order first was an extra [pairs, D] write and read: 1.3 ms of a layer's
     # MoE at 8K tokens, device profile of the fourth session)
     pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(n_pairs, device=x.device))
-    return _slot_sums(down, topk_ids.contiguous(), pair_rows)
+    return _slot_sums(down, topk_ids.contiguous(), out_dtype, pair_rows)
 
 
 def _words(ptx: bool, w: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
@@ -530,8 +538,12 @@ def moe_experts(
     w2_scale: torch.Tensor,
     limit: float,
     weight_before_down: bool,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Routed experts of a flat batch -> fp32 [T, D] (see the module docstring)."""
+    """Routed experts of a flat batch -> fp32 [T, D] (see the module docstring), or with
+    out_dtype bf16 that sum rounded once in the slot-sum kernel (V4.1's layer output: one
+    launch less than a cast after it)."""
+    _check_out_dtype("moe_experts", out_dtype)
     t, topk = topk_ids.shape
     n_experts, two_i, d = w13.shape
     inter = two_i // 2
@@ -547,7 +559,7 @@ def moe_experts(
         raise ValueError("moe_experts: expert weights must be row-major (last stride 1)")
     n_pairs = t * topk
     if n_pairs == 0:  # no tokens, or k = 0
-        return torch.zeros(t, d, dtype=torch.float32, device=x.device)
+        return torch.zeros(t, d, dtype=out_dtype, device=x.device)
     w13_scale = w13_scale.view(torch.uint8).contiguous()
     w2_scale = w2_scale.view(torch.uint8).contiguous()
     x = x.contiguous()
@@ -589,4 +601,4 @@ def moe_experts(
         WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles,
         num_warps=dn["num_warps"], num_stages=dn["num_stages"],
     )
-    return _slot_sums(y, ids)
+    return _slot_sums(y, ids, out_dtype)
