@@ -103,6 +103,16 @@ def test_compress_entries_kernel_matches_reference(ratio):
     assert torch.equal(got.codes.cpu()[loc], ref_args[-1].codes[loc])
 
 
+def test_compress_entries_kernel_rejects_widths_it_cannot_tile():
+    args, r = _case(1, seed=6)
+    bad = list(args)
+    bad[0] = args[0][:, :96]  # 48 pairs: not a power of two
+    with pytest.raises(ValueError, match="power-of-two entry width"):
+        tcompressor.compress_entries(*_on(DEVICE, bad), r, BLOCK_SIZE, torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16 entries"):
+        tcompressor.compress_entries(*_on(DEVICE, args), r, BLOCK_SIZE, torch.float32)
+
+
 def test_compress_entries_rejects_bad_arguments():
     args, r = _case(2, seed=5)
     call = lambda a, ratio=2: compressor.compress_entries(*a, ratio, BLOCK_SIZE, torch.bfloat16)

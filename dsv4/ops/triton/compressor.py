@@ -135,6 +135,10 @@ def compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, 
     if dtype != torch.bfloat16:
         raise ValueError(f"compress_entries: the kernel computes bf16 entries, got dtype {dtype}")
     n_rows, width = kv.shape
+    pairs = width // 2
+    if width % CKV_BLOCK or pairs & (pairs - 1) or (width // CKV_BLOCK) & (width // CKV_BLOCK - 1) or cos.shape[1] > pairs:
+        raise ValueError(f"compress_entries: the kernel needs a power-of-two entry width of whole {CKV_BLOCK}-channel blocks "
+                         f"and at most width/2 RoPE pairs, got width {width}, {cos.shape[1]} pairs")
     out = torch.empty(n_rows, width, dtype=torch.bfloat16, device=kv.device)
     where = (torch.empty(n_rows, dtype=torch.int64, device=kv.device), torch.empty(n_rows, dtype=torch.int64, device=kv.device))
     emit = torch.empty(n_rows, dtype=torch.bool, device=kv.device)
