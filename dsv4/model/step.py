@@ -257,8 +257,8 @@ def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: t
     prev = torch.full((b + n_pad, look_back), -1, dtype=torch.long)
     prev[:b] = batch.prev_tokens.cpu()
     ids = torch.cat([batch.input_ids.cpu(), torch.zeros(sum(pad_enc), dtype=torch.long)])
-    slots = torch.from_numpy(np.asarray(list(batch.slots) + [0] * n_pad, dtype=np.int64))
-    emit = torch.from_numpy(np.asarray(list(batch.emit_from) + [1 << 62] * n_pad, dtype=np.int64))
+    slots = torch.from_numpy(padded(batch.slots, [0] * n_pad))
+    emit = torch.from_numpy(padded(batch.emit_from, [1 << 62] * n_pad))
 
     def dev(t: torch.Tensor) -> torch.Tensor:
         if device.type == "cuda":
