@@ -27,11 +27,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
                    help="device-metadata path with the Triton kernels (default: wherever it can run: CUDA, bfloat16, V4.1); "
                         "--no-fast-path runs the reference ops")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="build and launch each step before the previous step's sampled tokens reach the host, so the host's "
+                        "work overlaps the GPU's (default: on where steps replay CUDA graphs)")
 
 
 ENGINE_KEYS = ("device", "dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching",
                "swa_bounded_replay", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "max_model_len",
-               "max_prefix_loads_per_step", "seed", "enforce_eager", "fast_path")
+               "max_prefix_loads_per_step", "seed", "enforce_eager", "fast_path", "async_scheduling")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

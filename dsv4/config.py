@@ -491,6 +491,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs (decode buckets, piecewise prefill; fast path on CUDA)
     fast_path: bool | None = None  # None: the fast path where it can run (CUDA, bf16, V4.1); False: reference ops
+    # build and launch step N+1 before reading step N's sampled tokens (vLLM's --async-scheduling);
+    # None: on where steps replay CUDA graphs (the fast path on CUDA without enforce_eager)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         def fail(field_name: str, expected: str, got) -> None:
@@ -520,6 +523,8 @@ class EngineConfig:
             fail("enforce_eager", "a bool", self.enforce_eager)
         if self.fast_path is not None and not isinstance(self.fast_path, bool):
             fail("fast_path", "True, False or None", self.fast_path)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            fail("async_scheduling", "True, False or None", self.async_scheduling)
 
     @property
     def torch_dtype(self):

@@ -113,8 +113,10 @@ class DecodeGraphs:
         for size in sorted(self.sizes if sizes is None else {self.bucket(s) for s in sizes}, reverse=True):
             self._entry(size)
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [n * rows, vocab] (fp32) of a batch that `fits`, padded to its bucket."""
+    def run(self, batch: ForwardBatch, resolve=None) -> torch.Tensor:
+        """Logits [n * rows, vocab] (fp32) of a batch that `fits`, padded to its bucket.
+        `resolve(input_ids)`, if given, rewrites the step's ids on the device before the
+        model reads them (the runner's pending tokens)."""
         if not self.fits(batch):
             raise ValueError("DecodeGraphs.run: the batch is not decode-shaped (see fits)")
         n = batch.num_requests
@@ -123,9 +125,13 @@ class DecodeGraphs:
         fresh = build_step(batch, self.model.cfg, self.cache.block_size, "cpu" if self.use_graphs else self.model.device,
                            pad_requests=size - n, pad_rows=self.rows, max_blocks=self.max_blocks)
         if not self.use_graphs:
+            if resolve is not None:
+                resolve(fresh.input_ids)
             return self._body(fresh)[: n * self.rows]
         inputs, graph, out = self._entry(size)
         inputs.load(fresh)
+        if resolve is not None:
+            resolve(inputs.step.input_ids)
         self.host_ms = (time.perf_counter() - started) * 1e3  # the host's share of a step (benchmarks report it)
         graph.replay()
         return out[: n * self.rows]
@@ -241,9 +247,9 @@ class PiecewiseGraphs:
         return self.plan(batch) is not None
 
     # ------------------------------------------------------------------------- running
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, resolve=None) -> torch.Tensor:
         """Logits [len(batch.logits_rows), vocab] (fp32) of a batch that `fits`; they live in
-        a captured output: read them before the next call."""
+        a captured output: read them before the next call. `resolve` as in `DecodeGraphs.run`."""
         plan = self.plan(batch)
         if plan is None:
             raise ValueError("PiecewiseGraphs.run: no bucket holds the batch (see plan)")
@@ -251,12 +257,16 @@ class PiecewiseGraphs:
         fresh = self._step(batch, plan, "cpu" if self.use_graphs else self.model.device)
         logits = batch.logits_rows.numel()
         if not self.use_graphs:
+            if resolve is not None:
+                resolve(fresh.input_ids)
             self._store(self.model.encode_step(fresh, self.cache))
             return self.model.logits(self.model.decode_step(self._buffers, fresh, self.cache))[:logits]
         enc_inputs, enc_graph = self._encoder(plan["requests"], plan["rows"])
         dec_inputs, dec_graph, out = self._decoder(plan["requests"], plan["dec_rows"], plan["logits"])
         enc_inputs.load(fresh)
         dec_inputs.load(fresh)
+        if resolve is not None:  # (only the encoder piece reads the ids)
+            resolve(enc_inputs.step.input_ids)
         self.host_ms = (time.perf_counter() - started) * 1e3
         enc_graph.replay()
         dec_graph.replay()

@@ -3,12 +3,21 @@
 `LLMEngine.step()` = schedule -> run the model on one flat batch -> sample on the device ->
 update streams (detokenise, stop strings) -> commit completed blocks to the prefix cache ->
 free finished requests. The async server and the offline `LLM` both drive this loop.
+
+With async scheduling (`EngineConfig.async_scheduling`, on by default where steps replay CUDA
+graphs) the host builds and launches step N+1 before it reads step N's tokens, so its work —
+scheduling, the step's metadata, detokenising, stop checks — overlaps the GPU's instead of
+leaving it idle between steps (vLLM's `--async-scheduling`). The token sampled at step N is a
+placeholder in its request until then (`runner.pending_token`): the next forward takes it
+from the device (`runner.PendingTokens`), the host from `_collect`. `step()` then returns the
+previous step's outputs; the tokens are the same as with synchronous scheduling.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,21 +28,34 @@ from dsv4.config import EngineConfig, load_config
 from dsv4.engine.cuda_graphs import DEFAULT_SIZES, REQUEST_SIZES, ROW_SIZES, DecodeGraphs, PiecewiseGraphs
 from dsv4.engine.detokenizer import RequestStream, TokenBytes
 from dsv4.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from dsv4.engine.request import Request
-from dsv4.engine.runner import ModelRunner
+from dsv4.engine.request import Request, Status
+from dsv4.engine.runner import ModelRunner, PendingTokens, StepLogits, pending_token
 from dsv4.engine.sampler import (
+    LogprobsTensors,
     Sampler,
+    SamplerOutput,
     SamplingBatch,
     compute_prompt_logprobs,
     make_generator,
 )
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.engine.scheduler import Scheduler
+from dsv4.engine.scheduler import Chunk, Scheduler
 from dsv4.model.model import Model
 from dsv4.model.tokenizer import engram_token_map, load_tokenizer
 from dsv4.model.weights import load_weights
 
 CPU_DEFAULT_KV_MEMORY = 512 << 20
+
+
+@dataclass
+class _Launched:
+    """A step whose forward (and, after `_sample`, sampler) is queued on the device."""
+
+    logits: StepLogits
+    sampling: list[Request]  # the requests it samples for, in the sampler's row order
+    computed: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, tokens computed, its preemptions then)
+    prompt: list[tuple[Request, LogprobsTensors]] = field(default_factory=list)
+    sampled: SamplerOutput | None = None
 
 
 def _kv_budget(cfg: EngineConfig, device: torch.device) -> int:
@@ -72,6 +94,11 @@ class LLMEngine:
             prefill = PiecewiseGraphs(self.model, self.storage, max_blocks=max_blocks, row_sizes=below(ROW_SIZES, cfg.max_num_batched_tokens),
                                       request_sizes=below(REQUEST_SIZES, cfg.max_num_seqs), use_graphs=use_graphs)
         self.runner = ModelRunner(self.model, self.storage, self.manager, decode, prefill)
+        replays = self.model.fast and self.device.type == "cuda" and not cfg.enforce_eager
+        self.async_scheduling = replays if cfg.async_scheduling is None else cfg.async_scheduling
+        # async: the tokens sampled for each slot, which the next step's forward reads
+        self.pending = PendingTokens(cfg.max_num_seqs, self.device) if self.async_scheduling else None
+        self._in_flight: _Launched | None = None
         self.sampler = Sampler(make_generator(cfg.seed, self.device))
         self.token_bytes = TokenBytes(self.tokenizer.backend)
         self._groups: dict[str, list[Request]] = {}
@@ -127,33 +154,54 @@ class LLMEngine:
         self._prompts.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. Synchronous: schedule, run, sample, read the tokens, return
+        their outputs. Async scheduling: schedule and launch this step, then read the
+        previous step's tokens (their forward ran first; this one runs meanwhile), then queue
+        this step's sampling — the outputs returned are the previous step's, and a request
+        that finished there has spent one forward of this step for nothing."""
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
-        step = self.runner.run(chunks)
-        changed: dict[str, None] = {}
-        sampling = [c.req for c in chunks if c.samples]
+        launched = self._launch(chunks) if chunks else None
+        if self.pending is None:
+            if launched is None:
+                return []
+            self._sample(launched)
+            return self._collect(launched)
+        previous, self._in_flight = self._in_flight, None
+        outputs = self._collect(previous) if previous is not None else []
+        if launched is not None:
+            self._sample(launched)
+            self._in_flight = launched
+        return outputs
+
+    def _launch(self, chunks: list[Chunk]) -> _Launched:
+        """Queue the forward of `chunks`, and the prompt logprobs (read the logits before the
+        next forward overwrites them); the sampler is queued by `_sample`."""
+        logits = self.runner.run(chunks, self.pending)
+        step = _Launched(logits, sampling=[c.req for c in chunks if c.samples])
         for c in chunks:
             req = c.req
-            if req.request_id in step.prompt_rows:
-                self._prompt_logprobs(req, c, step)
+            if req.request_id in logits.prompt_rows:
+                step.prompt.append((req, self._prompt_logprobs(req, c, logits)))
             req.num_computed += c.num_tokens
             if req.num_computed <= req.prefill_target:
                 self.prompt_tokens += c.num_tokens
-            self.manager.commit_full_blocks(req.request_id, req.all_token_ids[: req.num_computed])
-        if sampling:
-            self._sample(sampling, step)
-            for req in sampling:
-                changed[req.parent_id] = None
-        return [self._output(pid) for pid in changed]
+            step.computed.append((req, req.num_computed, req.num_preemptions))
+        return step
 
-    def _sample(self, reqs: list[Request], step) -> None:
-        rows = torch.tensor([step.sample_rows[r.request_id] for r in reqs], device=step.logits.device)
-        logits = step.logits[rows]
+    def _sample(self, step: _Launched) -> None:
+        """Queue the sampler for the step's sampling requests that are still running (under
+        async scheduling the previous step's tokens may have finished some). Async: each
+        gets a placeholder token, resolved on the device by the next forward and on the host
+        by `_collect`."""
+        reqs = step.sampling = [r for r in step.sampling if not r.finished]
+        if not reqs:
+            return
+        rows = torch.tensor([step.logits.sample_rows[r.request_id] for r in reqs], device=step.logits.logits.device)
+        logits = step.logits.logits[rows]
         masks = [r.grammar.allowed_mask(logits.device) if r.grammar is not None else None for r in reqs]
         batch = SamplingBatch.build(
             [r.params for r in reqs],
@@ -165,41 +213,74 @@ class LLMEngine:
             eos_token_id=self.tokenizer.eos_id,
             allowed_token_masks=masks if any(m is not None for m in masks) else None,
         )
-        out = self.sampler.sample(logits, batch)
-        tokens = out.sampled_token_ids.tolist()
-        now = time.monotonic()
-        for i, (req, tok) in enumerate(zip(reqs, tokens)):
-            req.output_token_ids.append(tok)
-            self.generation_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.params.logprobs is not None and out.logprobs is not None:
-                n = req.params.logprobs
-                ids = out.logprobs.token_ids[i].tolist()
-                vals = out.logprobs.logprobs[i].tolist()
-                req.logprobs.append(TokenLogprob(tok, vals[0], int(out.logprobs.ranks[i]), list(zip(ids[1 : 1 + n], vals[1 : 1 + n]))))
-            delta = req.stream.append(tok)
-            req.text_delta += delta.text
-            req.stop_reason = delta.stop_reason
-            finished = delta.finish_reason is not None
-            if not finished and req.grammar is not None:
-                req.grammar.accept(tok)
-                if req.grammar.is_terminated():  # only EOS could follow: stop here
-                    req.text_delta += req.stream.finish("stop").text
-                    finished = True
-            if not finished and req.num_tokens >= self.max_model_len:
-                req.text_delta += req.stream.finish("length").text
-                finished = True
-            req.new_token_ids.append(tok)
-            if finished:
-                self.scheduler.finish(req)
+        step.sampled = self.sampler.sample(logits, batch)
+        if self.pending is not None:
+            self.pending.record([r.slot for r in reqs], step.sampled.sampled_token_ids)
+            for r in reqs:
+                r.output_token_ids.append(pending_token(r.slot))
 
-    def _prompt_logprobs(self, req: Request, chunk, step) -> None:
+    def _collect(self, step: _Launched) -> list[RequestOutput]:
+        """Read the step's results (waits for its sampler): prompt logprobs, the blocks it
+        completed into the prefix cache, each sampled token into its request's stream ->
+        the outputs of the requests that got a token."""
+        for req, lp in step.prompt:
+            self._append_prompt_logprobs(req, lp)
+        for req, computed, preemptions in step.computed:
+            # (async) a request preempted since has lost the blocks this step wrote
+            if req.status == Status.RUNNING and req.num_preemptions == preemptions:
+                self.manager.commit_full_blocks(req.request_id, req.all_token_ids[:computed])
+        out = step.sampled
+        if out is None:
+            return []
+        tokens = out.sampled_token_ids.tolist()
+        changed: dict[str, None] = {}
+        now = time.monotonic()
+        for i, (req, tok) in enumerate(zip(step.sampling, tokens)):
+            if self.pending is not None:
+                req.output_token_ids[-1] = tok  # the placeholder `_sample` appended (still the newest token)
+            else:
+                req.output_token_ids.append(tok)
+            if req.finished:  # aborted while the step ran
+                continue
+            self._advance(req, tok, i, out, now)
+            changed[req.parent_id] = None
+        return [self._output(pid) for pid in changed]
+
+    def _advance(self, req: Request, tok: int, row: int, out, now: float) -> None:
+        """Account the request's new token `tok` (row `row` of the sampler output `out`):
+        logprobs, text and stop conditions; finish the request if it stops here."""
+        self.generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.params.logprobs is not None and out.logprobs is not None:
+            n = req.params.logprobs
+            ids = out.logprobs.token_ids[row].tolist()
+            vals = out.logprobs.logprobs[row].tolist()
+            req.logprobs.append(TokenLogprob(tok, vals[0], int(out.logprobs.ranks[row]), list(zip(ids[1 : 1 + n], vals[1 : 1 + n]))))
+        delta = req.stream.append(tok)
+        req.text_delta += delta.text
+        req.stop_reason = delta.stop_reason
+        finished = delta.finish_reason is not None
+        if not finished and req.grammar is not None:
+            req.grammar.accept(tok)
+            if req.grammar.is_terminated():  # only EOS could follow: stop here
+                req.text_delta += req.stream.finish("stop").text
+                finished = True
+        if not finished and req.num_tokens >= self.max_model_len:
+            req.text_delta += req.stream.finish("length").text
+            finished = True
+        req.new_token_ids.append(tok)
+        if finished:
+            self.scheduler.finish(req)
+
+    def _prompt_logprobs(self, req: Request, chunk: Chunk, step: StepLogits) -> LogprobsTensors:
         first, count = step.prompt_rows[req.request_id]
         targets = torch.tensor(req.prompt_token_ids[chunk.start + 1 : chunk.start + 1 + count], device=step.logits.device)
-        lp = compute_prompt_logprobs(step.logits[first : first + count], targets, req.params.prompt_logprobs)
+        return compute_prompt_logprobs(step.logits[first : first + count], targets, req.params.prompt_logprobs)
+
+    def _append_prompt_logprobs(self, req: Request, lp: LogprobsTensors) -> None:
         n = req.params.prompt_logprobs
-        for i in range(count):
+        for i in range(lp.ranks.shape[0]):
             ids, vals = lp.token_ids[i].tolist(), lp.logprobs[i].tolist()
             req.prompt_logprobs.append(TokenLogprob(ids[0], vals[0], int(lp.ranks[i]), list(zip(ids[1 : 1 + n], vals[1 : 1 + n]))))
 

@@ -1,6 +1,12 @@
 """Model runner: turns the scheduler's chunks into one flat ForwardBatch, runs the model and
 returns the logits rows the engine needs (the last row of every sampling chunk, plus every
-row of a chunk whose request asked for prompt logprobs)."""
+row of a chunk whose request asked for prompt logprobs).
+
+Under async scheduling (`EngineConfig.async_scheduling`) a step is built while the previous
+one still runs, before its sampled tokens reach the host: a request's newest token is then a
+placeholder (`pending_token(slot)`) in its token list, and `PendingTokens.resolve` replaces
+it on the device, from the token the sampler wrote for that slot, before the forward reads
+the ids (stream order: the sampler of the previous step has run by then)."""
 
 from __future__ import annotations
 
@@ -14,6 +20,29 @@ from dsv4.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from dsv4.engine.scheduler import Chunk
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.model import Model
+
+
+def pending_token(slot: int) -> int:
+    """The placeholder id of the token being sampled for state slot `slot` (<= -2: -1 means
+    "no token" in a step's look-back ids)."""
+    return -2 - slot
+
+
+class PendingTokens:
+    """The last token sampled for each state slot, on the device (async scheduling)."""
+
+    def __init__(self, num_slots: int, device: torch.device):
+        self.tokens = torch.zeros(num_slots, dtype=torch.long, device=device)
+
+    def record(self, slots: list[int], sampled: torch.Tensor) -> None:
+        """`sampled[i]` is the token just sampled for slot `slots[i]` (no host sync)."""
+        self.tokens.index_copy_(0, torch.tensor(slots, dtype=torch.long).to(self.tokens.device, non_blocking=True), sampled)
+
+    def resolve(self, ids: torch.Tensor) -> None:
+        """In place on the device: every placeholder `pending_token(s)` in `ids` becomes the
+        token recorded for slot s."""
+        slots = (-2 - ids).clamp_(min=0)
+        ids.copy_(torch.where(ids <= -2, self.tokens[slots], ids))
 
 
 @dataclass
@@ -45,7 +74,10 @@ class ModelRunner:
             ids.extend(tokens[c.start : c.start + c.num_tokens])
             pos.extend(range(c.start, c.start + c.num_tokens))
             tables.append(self.manager.block_table(req.request_id))
+            # only a request's newest token can be pending, and a chunk never starts after it
             prev.append([tokens[c.start - 1 - s] if c.start - 1 - s >= 0 else -1 for s in range(self.lookback)])
+            if min(prev[-1]) < -1:
+                raise RuntimeError(f"request {req.request_id!r}: a pending token in the look-back of a chunk at {c.start}")
             starts.append(c.start)
             counts.append(c.num_tokens)
             slots.append(req.slot)
@@ -81,11 +113,16 @@ class ModelRunner:
         )
         return batch, sample_rows, prompt_rows
 
-    def run(self, chunks: list[Chunk]) -> StepLogits:
+    def run(self, chunks: list[Chunk], pending: PendingTokens | None = None) -> StepLogits:
+        """Queue the step on the device (nothing waits for it); `pending` resolves the
+        placeholders among the ids (async scheduling)."""
         batch, sample_rows, prompt_rows = self.build_batch(chunks)
+        resolve = pending.resolve if pending is not None else None
         if self.decode is not None and self.decode.fits(batch):
-            return StepLogits(self.decode.run(batch), sample_rows, prompt_rows)
+            return StepLogits(self.decode.run(batch, resolve), sample_rows, prompt_rows)
         if self.prefill is not None and self.prefill.fits(batch):
-            return StepLogits(self.prefill.run(batch), sample_rows, prompt_rows)
+            return StepLogits(self.prefill.run(batch, resolve), sample_rows, prompt_rows)
+        if resolve is not None:
+            resolve(batch.input_ids)
         hidden = self.model.forward(batch, self.storage)
         return StepLogits(self.model.logits(hidden), sample_rows, prompt_rows)

@@ -123,9 +123,11 @@ def _budget_for_blocks(tiny, blocks):
     return blocks * sizes.block_bytes + 6 * sizes.slot_bytes_total
 
 
-def test_random_add_abort_finish_stress_leaks_nothing(tiny):
+@pytest.mark.parametrize("async_scheduling", [False, True])  # (async: aborts land while a step is in flight)
+def test_random_add_abort_finish_stress_leaks_nothing(tiny, async_scheduling):
     rng = random.Random(0)
-    eng = make(tiny, kv_cache_memory=_budget_for_blocks(tiny, 14), max_num_seqs=6, max_model_len=200, swa_bounded_replay=True)
+    eng = make(tiny, kv_cache_memory=_budget_for_blocks(tiny, 14), max_num_seqs=6, max_model_len=200, swa_bounded_replay=True,
+               async_scheduling=async_scheduling)
     shared = prompts(3, 40, seed=2)
     live: set[str] = set()
     for i in range(60):
@@ -142,6 +144,7 @@ def test_random_add_abort_finish_stress_leaks_nothing(tiny):
         for out in eng.step():
             if out.finished:
                 live.discard(out.request_id)
+            assert all(t >= 0 for c in out.outputs for t in c.token_ids), "a placeholder reached an output"
         eng.manager.check_invariants()
     while eng.has_unfinished_requests():
         for out in eng.step():
