@@ -17,8 +17,12 @@ only with `--fast-path`, which runs its torch references). Cases on CUDA are als
 CUDA-graph replays, which is then the step time (`--no-cuda-graphs`: eager only), as the
 engine would run them: decode-shaped ones as one graph of their batch size
 (dsv4.engine.cuda_graphs.DecodeGraphs), the others (prefill, hits, mixed) as the two pieces
-of `PiecewiseGraphs` padded to its default row and request buckets; the host's preparation
-of the step is inside the time, and the eager time is printed beside it. With `--baseline` (default on CUDA) the same
+of `PiecewiseGraphs` padded to its default row and request buckets. The step time of a
+graph case is that of `--iters` steps issued back to back, each preparing its metadata on the
+host (and resolving the pending-token placeholders, `engine.runner.PendingTokens`) while
+the previous one runs — how the engine runs under async scheduling; the synchronous step
+(the host's preparation, then the replay, nothing overlapped: the engine without async
+scheduling) and the eager step are printed beside it. With `--baseline` (default on CUDA) the same
 cases also run on the reference path: the same model with dequantised dense weights, dense
 `dtype` GEMMs and every op on its torch code (`dsv4.ops.torch_only`: the HF-style
 computation), reported as a ratio; it is skipped, saying so, when its weights do not fit in
@@ -72,6 +76,7 @@ from dsv4.cache.reference_configs import released_v4_config, released_v41_config
 from dsv4.cache.storage import KVCacheStorage, QTensor
 from dsv4.config import ConfigError, ModelConfig, parse_config
 from dsv4.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from dsv4.engine.runner import PendingTokens
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.layers.engram import engram_primes
 from dsv4.model.make_tiny import tiny_config
@@ -288,6 +293,31 @@ def time_step(step, device: torch.device, warmup: int, iters: int) -> list[float
     return times
 
 
+def time_back_to_back(step, device: torch.device, warmup: int, iters: int, rounds: int = 3) -> list[float]:
+    """Milliseconds per call of `rounds` bursts of `iters` calls issued without waiting for
+    each other (CUDA events around each burst; the wall clock elsewhere): the steady state of
+    steps whose host work overlaps the previous step's GPU work."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            times.append((time.perf_counter() - t0) * 1e3 / iters)
+    return times
+
+
 def breakdown(step, device: torch.device, total_ms: float, graph_step=None) -> dict[str, float]:
     """ms per component (dsv4.model.sections) and "other" (the step minus the sections). On
     CUDA the sections are timed by events on the GPU: inside a captured graph when
@@ -331,9 +361,9 @@ class BenchOptions:
 
 def _run_case(model: Model, cfg: ModelConfig, case: Case, plans: list[RequestPlan], opts: BenchOptions, device: torch.device, dtype: torch.dtype) -> dict:
     """Time one case (and its sections); its cache and batch are freed when this returns. A
-    decode-shaped case on the fast path with CUDA graphs is timed as the engine runs it
-    (padded to its bucket, metadata copied in, graph replayed; the host's preparation is in
-    the time) and eagerly."""
+    case on the fast path with CUDA graphs is timed as the engine runs it (padded to its
+    bucket, metadata copied in, placeholders resolved, graph replayed): back to back (async
+    scheduling, the step time) and one step at a time; and eagerly."""
     try:
         cache, batch = build_case(cfg, plans, block_size=opts.block_size, dtype=dtype, device=device, seed=opts.seed,
                                   batch_device=torch.device("cpu") if model.fast else device)
@@ -358,11 +388,15 @@ def _run_case(model: Model, cfg: ModelConfig, case: Case, plans: list[RequestPla
             captured().run(batch)
 
         times = time_step(eager, device, opts.warmup, opts.iters)
-        graph_times, host_ms, graph_kind = None, None, None
+        graph_times = sync_times = host_ms = graph_kind = None
         if opts.cuda_graphs and model.fast and device.type == "cuda" and graphs().fits(batch):
             runner = captured()
-            graph_times = time_step(lambda: runner.run(batch), device, opts.warmup, opts.iters)
-            host_ms, graph_kind = runner.host_ms, "decode" if isinstance(runner, DecodeGraphs) else "piecewise"
+            pending = PendingTokens(cache.num_slots, device)  # the batch holds no placeholders: its work, not its effect
+            replay = lambda: runner.run(batch, pending.resolve)
+            sync_times = time_step(replay, device, opts.warmup, opts.iters)
+            host_ms = runner.host_ms
+            graph_times = time_back_to_back(replay, device, opts.warmup, opts.iters)
+            graph_kind = "decode" if isinstance(runner, DecodeGraphs) else "piecewise"
             del runner
             _free(device)
         median = statistics.median(graph_times or times)
@@ -379,7 +413,9 @@ def _run_case(model: Model, cfg: ModelConfig, case: Case, plans: list[RequestPla
         "times_ms": graph_times or times,
         "cuda_graph": graph_times is not None,
         "graph_kind": graph_kind,  # "decode" (one graph) or "piecewise" (encoder + decoder graphs)
-        "graph_host_ms": host_ms,  # building and copying the step's metadata (inside the step time)
+        "graph_host_ms": host_ms,  # building and copying the step's metadata (inside the synchronous step)
+        "sync_median_ms": statistics.median(sync_times) if sync_times else None,  # one graph step at a time, host included
+        "sync_times_ms": sync_times,
         "eager_median_ms": statistics.median(times),
         "eager_times_ms": times,
         "tokens_per_s": case.new_tokens / (median / 1e3),
@@ -516,7 +552,7 @@ def _ms(value: float) -> str:
 def tables(doc: dict) -> list[Table]:
     """The console report: steps vs floor and baseline; time by component; floor by component."""
     main = Table(title=f"forward steps ({doc['fast_path']}, {doc['dtype']} on {doc['device_name']})")
-    for col in ("case", "reqs", "new tok", "rows", "step ms", "eager ms", "tok/s", "floor ms", "mem | compute ms", "bound", "x floor", "ref ms", "ref/fast"):
+    for col in ("case", "reqs", "new tok", "rows", "step ms", "sync ms", "eager ms", "tok/s", "floor ms", "mem | compute ms", "bound", "x floor", "ref ms", "ref/fast"):
         main.add_column(col, justify="left" if col == "case" else "right")
     parts = Table(title="step time by component, % (attention excludes the indexer)")
     floor = Table(title="floor by component, ms (m = memory bound, c = compute bound)")
@@ -531,13 +567,14 @@ def tables(doc: dict) -> list[Table]:
         sizes = (e["case"], str(e["requests"]), str(e["new_tokens"]), str(e["rows"]))
         floors = (_ms(fl["floor_ms"]), f"{_ms(fl['memory_ms'])} | {_ms(fl['compute_ms'])}", fl["bound"])
         if "error" in f:
-            main.add_row(*sizes, f["error"], "-", "-", *floors, "-", "-", "-")
+            main.add_row(*sizes, f["error"], "-", "-", "-", *floors, "-", "-", "-")
         else:
             rate = f["tokens_per_s"]
             ref = _ms(r["median_ms"]) if "median_ms" in r else r.get("error", "skipped")
             ratio = f"{e['reference_ratio']:.2f}" if e["reference_ratio"] else "-"
             step = _ms(f["median_ms"]) + ({"decode": " (graph)", "piecewise": " (2 graphs)"}.get(f.get("graph_kind"), ""))
-            main.add_row(*sizes, step, _ms(f["eager_median_ms"]), f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}", *floors, f"{e['floor_ratio']:,.1f}", ref, ratio)
+            sync = _ms(f["sync_median_ms"]) if f.get("sync_median_ms") is not None else "-"
+            main.add_row(*sizes, step, sync, _ms(f["eager_median_ms"]), f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}", *floors, f"{e['floor_ratio']:,.1f}", ref, ratio)
             if f["breakdown_pct"] is not None:
                 parts.add_row(e["name"], *[f"{f['breakdown_pct'][c]:.1f}" for c in (*COMPONENTS, "other")])
         comps = fl["components"]

@@ -5,11 +5,12 @@ CPU run of the command."""
 import argparse
 import json
 import math
+import time
 
 import pytest
 import torch
 
-from dsv4.bench.forward import bench_config, build_case, register_forward
+from dsv4.bench.forward import bench_config, build_case, register_forward, time_back_to_back
 from dsv4.bench.roofline import (
     COMPONENTS,
     CaseError,
@@ -322,6 +323,7 @@ def test_bench_forward_end_to_end_on_cpu(tmp_path, capsys):
         assert {"case", "requests", "new_tokens", "rows", "fast", "floor", "floor_ratio", "reference", "reference_ratio"} <= set(c)
         fast = c["fast"]
         assert len(fast["times_ms"]) == 2 and fast["median_ms"] > 0 and fast["tokens_per_s"] > 0
+        assert fast["sync_median_ms"] is None and not fast["cuda_graph"]  # graph timings are CUDA's
         assert set(fast["breakdown_pct"]) == {*COMPONENTS, "other"}
         assert sum(fast["breakdown_pct"].values()) == pytest.approx(100)
         assert fast["breakdown_ms"]["attention"] > 0 and fast["breakdown_ms"]["moe"] > 0
@@ -331,6 +333,13 @@ def test_bench_forward_end_to_end_on_cpu(tmp_path, capsys):
     assert [c["rows"] for c in doc["cases"]] == [2, 32, 16]  # the hit replays 8 tokens
     assert doc["cases"][1]["fast"]["breakdown_ms"]["compressor"] > 0
     assert doc["cases"][0]["fast"]["breakdown_ms"]["engram"] > 0
+
+
+def test_back_to_back_timing_counts_every_call_of_each_burst():
+    calls = []
+    times = time_back_to_back(lambda: calls.append(time.perf_counter()) or time.sleep(0.002), torch.device("cpu"), warmup=1, iters=4, rounds=2)
+    assert len(calls) == 1 + 2 * 4 and len(times) == 2
+    assert all(1.9 < t < 50 for t in times)  # ms per call, not per burst
 
 
 def test_bench_forward_v4_with_baseline_and_bad_input(tmp_path, capsys):
