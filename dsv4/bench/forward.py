@@ -271,9 +271,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_step(step, device: torch.device, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of `iters` calls after `warmup` calls: CUDA events on the GPU, wall clock
-    (after a synchronise) elsewhere."""
+def time_step(step, device: torch.device, warmup: int, iters: int, burst: int = 1) -> list[float]:
+    """Milliseconds per call of `step`, for each of `iters` bursts of `burst` calls issued
+    without waiting for each other, after `warmup` calls: CUDA events around each burst on
+    the GPU, the wall clock (after a synchronise) elsewhere. burst 1: each call alone; more:
+    the steady state of calls whose host work overlaps the previous call's GPU work."""
     for _ in range(warmup):
         step()
     _sync(device)
@@ -282,40 +284,20 @@ def time_step(step, device: torch.device, warmup: int, iters: int) -> list[float
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def time_back_to_back(step, device: torch.device, warmup: int, iters: int, rounds: int = 3) -> list[float]:
-    """Milliseconds per call of `rounds` bursts of `iters` calls issued without waiting for
-    each other (CUDA events around each burst; the wall clock elsewhere): the steady state of
-    steps whose host work overlaps the previous step's GPU work."""
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    times = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
+            for _ in range(burst):
                 step()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / iters)
+            times.append(start.elapsed_time(end) / burst)
         else:
             t0 = time.perf_counter()
-            for _ in range(iters):
+            for _ in range(burst):
                 step()
-            times.append((time.perf_counter() - t0) * 1e3 / iters)
+            times.append((time.perf_counter() - t0) * 1e3 / burst)
     return times
+
+
+BACK_TO_BACK_BURSTS = 3  # bursts of --iters back-to-back graph steps
 
 
 def breakdown(step, device: torch.device, total_ms: float, graph_step=None) -> dict[str, float]:
@@ -395,7 +377,7 @@ def _run_case(model: Model, cfg: ModelConfig, case: Case, plans: list[RequestPla
             replay = lambda: runner.run(batch, pending.resolve)
             sync_times = time_step(replay, device, opts.warmup, opts.iters)
             host_ms = runner.host_ms
-            graph_times = time_back_to_back(replay, device, opts.warmup, opts.iters)
+            graph_times = time_step(replay, device, opts.warmup, BACK_TO_BACK_BURSTS, burst=opts.iters)
             graph_kind = "decode" if isinstance(runner, DecodeGraphs) else "piecewise"
             del runner
             _free(device)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from dsv4.bench.forward import bench_config, build_case, register_forward, time_back_to_back
+from dsv4.bench.forward import bench_config, build_case, register_forward, time_step
 from dsv4.bench.roofline import (
     COMPONENTS,
     CaseError,
@@ -337,7 +337,7 @@ def test_bench_forward_end_to_end_on_cpu(tmp_path, capsys):
 
 def test_back_to_back_timing_counts_every_call_of_each_burst():
     calls = []
-    times = time_back_to_back(lambda: calls.append(time.perf_counter()) or time.sleep(0.002), torch.device("cpu"), warmup=1, iters=4, rounds=2)
+    times = time_step(lambda: calls.append(time.perf_counter()) or time.sleep(0.002), torch.device("cpu"), warmup=1, iters=2, burst=4)
     assert len(calls) == 1 + 2 * 4 and len(times) == 2
     assert all(1.9 < t < 50 for t in times)  # ms per call, not per burst
 
