@@ -2,9 +2,10 @@
 
 * fp32 on CUDA (compact FP8 weights, reference ops) against the golden reference: prompt
   logits and greedy tokens;
-* bf16: the reference ops, the fast path eager (--enforce-eager) and the fast path with CUDA
-  graphs. Graphs must not change outputs: greedy tokens (and the decode logits) of the fast
-  path are identical with and without graphs. The fast path against the bf16 reference ops:
+* bf16: the reference ops, the fast path eager (--enforce-eager, synchronous scheduling), with
+  CUDA graphs (and async scheduling, their default) and with graphs but synchronous
+  scheduling. Neither may change outputs: greedy tokens (and the decode logits) of the fast
+  path are identical in all three. The fast path against the bf16 reference ops:
   logit distance and greedy agreement (bf16 flips selections on these random tiny models,
   see tests/model/test_golden.py::test_bf16_within_bf16_noise).
 
@@ -48,21 +49,23 @@ def main(folders: list[str]) -> int:
         print(name, "float32 reference ops: max logit diff", [f"{d:.2e}" for d in diffs], "greedy identical", same, flush=True)
 
         runs = {label: _run(folder, prompts, dtype="bfloat16", **opts) for label, opts in (
-            ("reference", {"fast_path": False}), ("fast_eager", {"enforce_eager": True}), ("fast_graphs", {}))}
+            ("reference", {"fast_path": False}), ("fast_eager", {"enforce_eager": True}), ("fast_graphs", {}),
+            ("fast_graphs_sync", {"async_scheduling": False}))}
         entry = {"fast_path_on": runs["fast_graphs"][2]}
         if not runs["fast_graphs"][2]:
             print(name, "bfloat16: this config runs the reference path only", flush=True)
         else:
-            eager, graphs = runs["fast_eager"][1], runs["fast_graphs"][1]
-            graph_same = [a.token_ids == b.token_ids for a, b in zip(eager, graphs)]
-            lp_same = [[x.logprob for x in a.outputs[0].logprobs] == [x.logprob for x in b.outputs[0].logprobs] for a, b in zip(eager, graphs)]
+            eager, graphs, graphs_sync = runs["fast_eager"][1], runs["fast_graphs"][1], runs["fast_graphs_sync"][1]
+            graph_same = [a.token_ids == b.token_ids == c.token_ids for a, b, c in zip(eager, graphs, graphs_sync)]
+            logprobs = lambda o: [x.logprob for x in o.outputs[0].logprobs]
+            lp_same = [logprobs(a) == logprobs(b) == logprobs(c) for a, b, c in zip(eager, graphs, graphs_sync)]
             failed |= not all(graph_same)
             ref_logits = runs["reference"][0]
             dist = [float((a - b).abs().mean()) for a, b in zip(runs["fast_eager"][0], ref_logits)]
             agree = [sum(x == y for x, y in zip(a.token_ids, r.token_ids)) for a, r in zip(eager, runs["reference"][1])]
             entry.update(graphs_vs_eager_greedy_identical=graph_same, graphs_vs_eager_logprobs_identical=lp_same,
                          fast_vs_reference_mean_logit_distance=dist, fast_vs_reference_greedy_agreement_of_12=agree)
-            print(name, "bfloat16: graphs == eager greedy", graph_same, "logprobs", lp_same, flush=True)
+            print(name, "bfloat16: graphs (async) == graphs (sync) == eager greedy", graph_same, "logprobs", lp_same, flush=True)
             print(name, "bfloat16: fast vs reference ops mean |logit diff|", [f"{d:.3f}" for d in dist], "greedy agreement /12", agree, flush=True)
         results[f"{name}/bfloat16"] = entry
     out = os.environ.get("OUT")
