@@ -1998,18 +1998,13 @@ def compile_targets() -> list[tuple]:
         "x_ptr": "*bf16:16", "w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "part_ptr": "*fp32:16", "count_ptr": "*i32:16",
         "M": i, "N": a, "K": a, "CHUNK_K": a, "GROUP_ROWS": a, "stride_xm": a, "stride_wn": a, "stride_sn": a, "stride_om": a,
     }
-    first_rows = fp8_gemm.W8A16["rows"][0][0]
     for max_rows, cfg in fp8_gemm.W8A16["rows"]:
         for block in (32, 128):
-            # both weight reads; the decode class also with the L2 prefetch before the wait (`pdl`)
-            for split, words, prefetch in ((sp, wo, pf) for sp in (False, True) for wo in (False, True) for pf in (False, True)):
-                if prefetch and (max_rows != first_rows or not split or not words):
-                    continue
+            for split, words in ((sp, wo) for sp in (False, True) for wo in (False, True)):  # both weight reads
                 tiles = {k: cfg[k] for k in ("BLOCK_T", "BLOCK_N", "BLOCK_K", "GROUP_T")}
                 consts = dict(tiles, QBLOCK=block, PIECE=min(block, 32), SPLIT=split, EVEN_K=True, PTX=True, WORDS=words,
-                              LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS, PREFETCH=prefetch)
+                              LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS)
                 label = f"w8a16 rows<={max_rows} BT={cfg['BLOCK_T']} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} b={block} split={split} {'words' if words else 'bytes'}"
-                label += " prefetch" if prefetch else ""
                 # every row class on wgmma: the batch-invariance contract (fp8_gemm.W8A16)
                 out.append((label, fp8_gemm._w8a16_kernel, w8a16, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, "wgmma"))
     act = {"x_ptr": "*bf16:16", "q_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "M": i, "K": a, "stride_xm": a, "stride_qm": a, "stride_sm": a}
@@ -2242,19 +2237,13 @@ def compile_case(label: str, kernel, types: dict, consts: dict, options: dict, m
     an argument the launch specialises as a multiple of 16 (torch's pointers; sizes and strides
     at the real shapes): without it loads are not vectorised and not pipelined, and the report
     would describe a kernel the launch never runs. `mma_required` ("wgmma"): the variant fails
-    unless every MMA it issues is of that family (what the GEMMs' bits contract rests on).
-    A kernel with a PDL constexpr is compiled as the fast path launches it on the H200
-    (`pdl.launch_args`: PDL and launch_pdl), and fails unless its PTX has the wait and the
-    launch_dependents of `pdl.pdl_start` (and with PREFETCH, the L2 prefetches)."""
+    unless every MMA it issues is of that family (what the GEMMs' bits contract rests on)."""
     import re
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    pdl = "PDL" in kernel.arg_names
-    if pdl:
-        consts, options = dict(consts, PDL=True), dict(options, launch_pdl=True)
     signature = {name: types.get(name, "constexpr").split(":")[0] for name in kernel.arg_names}
     aligned = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items() if t.endswith(":16")}
     start = time.time()
@@ -2273,13 +2262,7 @@ def compile_case(label: str, kernel, types: dict, consts: dict, options: dict, m
     families = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync"}
     if mma_required and (families[mma_required] not in compiled.asm["ptx"] or any(f in compiled.asm["ptx"] for k, f in families.items() if k != mma_required)):
         raise RuntimeError(f"{label}: must compile to {mma_required} only, got {mma} (a row's bits would then depend on its row class)")
-    ptx = compiled.asm["ptx"]
-    gdc = "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
-    if pdl and not (gdc and compiled.metadata.launch_pdl):
-        raise RuntimeError(f"{label}: launched with PDL, but its PTX lacks griddepcontrol.wait / launch_dependents (or launch_pdl is off)")
-    if consts.get("PREFETCH") and "prefetch.global.L2" not in ptx:
-        raise RuntimeError(f"{label}: PREFETCH set, but its PTX has no prefetch.global.L2")
-    record("compile_sm90", label, "triton", ok=True, seconds=time.time() - start, shared_bytes=compiled.metadata.shared, mma=mma, pdl=gdc, **usage)
+    record("compile_sm90", label, "triton", ok=True, seconds=time.time() - start, shared_bytes=compiled.metadata.shared, mma=mma, **usage)
 
 
 def section_compile() -> None:
@@ -2321,7 +2304,7 @@ def summary(records: list[dict]) -> list[str]:
             if isinstance(r.get("err"), float):
                 item += f" err {r['err']:.1e}"
             if "registers" in r:
-                item += f" {r['registers']} regs, {r['spill_stack_bytes']} B spilled, {r['shared_bytes']} B smem, {r['mma']}{', pdl' if r.get('pdl') else ''}"
+                item += f" {r['registers']} regs, {r['spill_stack_bytes']} B spilled, {r['shared_bytes']} B smem, {r['mma']}"
             if "same_bits" in r:
                 item += f" same bits: {r['same_bits']}"
             item += {True: " ok", False: " FAIL"}.get(r.get("ok"), "")

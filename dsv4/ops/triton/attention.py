@@ -56,7 +56,6 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import e8m0_to_fp32, num_sms
-from dsv4.ops.triton.pdl import launch_args, pdl_start
 
 # constexpr: the kernels read them (Python code uses .value)
 RING_SCALE_BLOCK = tl.constexpr(32)  # ue8m0 byte per 32 channels of a window key
@@ -191,10 +190,9 @@ def _logits_kernel(
     H, n_top, n_keys, n_tiles, tiles_per_program, sm_scale,
     stride_qt, stride_qh, stride_kv, stride_top, stride_bt,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr,
 ):
     """Program (token, head block, run of tiles_per_program logits tiles)."""
-    pdl_start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     req = tl.load(token_req_ptr + tok)
     pos = tl.load(pos_ptr + tok)
@@ -248,11 +246,10 @@ def _pv_kernel(
     H, n_top, n_keys,
     stride_kv, stride_top, stride_bt, stride_ot, stride_oh,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr, N_TILES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr,
 ):
     """Program (token, head block x channel slice): slice 2r + par of DSPLIT holds channels
     2p + par for the pairs p of range r (DSPLIT = 1: every channel, as two halves)."""
-    pdl_start(PDL)
     BOTH: tl.constexpr = DSPLIT == 1
     NP: tl.constexpr = DIM // 2 if DSPLIT <= 2 else DIM // DSPLIT  # channel pairs of the slice
     tok = tl.program_id(0).to(tl.int64)
@@ -434,13 +431,13 @@ def sparse_attention(
         h, n_top, n_keys, n_tiles, plan["tiles_per_program"], float(softmax_scale),
         q.stride(0), q.stride(1), kv_new.stride(0), topk.stride(0), block_tables.stride(0),
         WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=lbh, BLOCK_N=cfg["LOGIT_BLOCK_N"], PIECE=min(cfg["PIECE"], dim // 2),
-        num_warps=cfg["logit_warps"], num_stages=cfg["logit_stages"], **launch_args(q.device),
+        num_warps=cfg["logit_warps"], num_stages=cfg["logit_stages"],
     )
     _pv_kernel[(t, triton.cdiv(h, bh) * plan["DSPLIT"])](
         logits, stats, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, sink, out,
         h, n_top, n_keys,
         kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
         WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=plan["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"],
-        num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"], **launch_args(q.device),
+        num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"],
     )
     return out

@@ -22,7 +22,6 @@ from triton.language.extra import libdevice
 
 from dsv4.cache.storage import CKV_BLOCK, QTensor
 from dsv4.ops.triton.kv import _e2m1_code, _fp4_quantise, _load_fp32
-from dsv4.ops.triton.pdl import launch_args, pdl_start
 
 _CKV_BLOCK = tl.constexpr(CKV_BLOCK)  # the kernel's view of it (jit code reads constexpr globals only)
 BLOCK_T = 2  # rows per program: 2 x 512 channels, 4 warps (decode rows get a program each)
@@ -48,9 +47,7 @@ def _compress_kernel(
     block_table_ptr, norm_ptr, cos_ptr, sin_ptr, codes_ptr, scales_ptr, out_ptr, block_out_ptr, offset_out_ptr, emit_out_ptr,
     R, eps, n_cols, S, stride_kv, stride_tail_s, stride_tail_j, stride_bt, stride_cos, stride_c0, stride_c1, stride_s0, stride_s1,
     RATIO: tl.constexpr, W: tl.constexpr, ROPE_PAIRS: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_start(PDL)
     HALF: tl.constexpr = W // 2
     NB: tl.constexpr = W // _CKV_BLOCK
     PAIRS: tl.constexpr = _CKV_BLOCK // 2  # byte pairs per scale block
@@ -162,6 +159,6 @@ def compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, 
         n_rows, float(eps), tables.shape[1], codes.shape[0], kv.stride(0), tail_kv.stride(0), tail_kv.stride(1), tables.stride(0), cos.stride(0),
         codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
         RATIO=ratio, W=width, ROPE_PAIRS=cos.shape[1], PER_BLOCK=block_size // ratio, BLOCK_T=BLOCK_T,
-        num_warps=4, enable_fp_fusion=False, **launch_args(kv.device),
+        num_warps=4, enable_fp_fusion=False,
     )
     return out, where, emit

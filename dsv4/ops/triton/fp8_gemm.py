@@ -47,8 +47,6 @@ import triton
 import triton.language as tl
 
 from dsv4.model import quant
-from dsv4.ops.triton import pdl
-from dsv4.ops.triton.pdl import PREFETCH_LINE, launch_args, pdl_start, prefetch_l2
 
 # Rows from which `fp8_linear` switches from the weight-only kernel to the FP8 x FP8 kernel.
 W8A8_MIN_ROWS = 1024
@@ -244,7 +242,7 @@ def _w8a16_kernel(
     QBLOCK: tl.constexpr, PIECE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, WORDS: tl.constexpr,
-    LOADS: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    LOADS: tl.constexpr, ROWS: tl.constexpr,
 ):
     """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
     by K chunk (the weight rows as the wgmma's M; see the knobs above).
@@ -258,12 +256,7 @@ def _w8a16_kernel(
 
     WORDS (`W8A16["DEQUANT"]` "words"; needs EVEN_K, PTX and 4-byte aligned weight rows): the
     weights are read as int32 words of 4 codes and dequantised by `dequant_words` — the same
-    values as the byte path.
-
-    PREFETCH (`pdl.PDL["prefetch"]`, under PDL only): before the wait, the program's weight
-    rows are prefetched into L2 for its first two K steps, so that the predecessor's tail
-    overlaps the start of the weight stream. The tile and chunk come from program ids and
-    scalar arguments alone, so nothing before the wait reads memory (the `pdl` rule)."""
+    values as the byte path."""
     pid = tl.program_id(0)
     tiles_t = tl.cdiv(M, BLOCK_T)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -272,19 +265,8 @@ def _w8a16_kernel(
     size_t = tl.minimum(tiles_t - first_t, GROUP_T)
     pid_t = first_t + (pid % width) % size_t
     pid_n = (pid % width) // size_t
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SPLIT:
-        k_lo = tl.program_id(1) * CHUNK_K
-        k_hi = tl.minimum(k_lo + CHUNK_K, K)
-    else:
-        k_lo = 0
-        k_hi = K
-    if PREFETCH:  # one address per 128-byte line (1 byte per weight); rows and K clamped in bounds
-        LINES: tl.constexpr = (2 * BLOCK_K + PREFETCH_LINE - 1) // PREFETCH_LINE
-        k_line = tl.minimum(k_lo + tl.arange(0, LINES) * PREFETCH_LINE, K - 1)
-        prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn + k_line[None, :])
-    pdl_start(PDL)
     rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rp = tl.arange(0, PIECE)
     t_ok = rt < M
     n_ok = rn < N
@@ -293,6 +275,12 @@ def _w8a16_kernel(
     x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_xm + (pid_n * BLOCK_N // GROUP_ROWS) * K
     w_rows = w_ptr + rn[:, None] * stride_wn
     s_rows = s_ptr + (rn // QBLOCK) * stride_sn
+    if SPLIT:
+        k_lo = tl.program_id(1) * CHUNK_K
+        k_hi = tl.minimum(k_lo + CHUNK_K, K)
+    else:
+        k_lo = 0
+        k_hi = K
     if WORDS:  # int32 words of 4 codes (EVEN_K: no K edge, so only rows are masked)
         rq = tl.arange(0, PIECE // 4)
         w_words = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -466,8 +454,8 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
         x2.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
         SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=w8a16_words(ptx, w, k % bk == 0),
-        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, PREFETCH=pdl.prefetch(x.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(x.device),
+        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out.view(*lead, n)
 
@@ -477,12 +465,10 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
-                    QROWS: tl.constexpr, QCOLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PTX: tl.constexpr,
-                    PDL: tl.constexpr):
+                    QROWS: tl.constexpr, QCOLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PTX: tl.constexpr):
     """out [BLOCK_R, BLOCK_C] tile = w * 2**(s - 127), one scale per QROWS x QCOLS weights: the
     tile is loaded whole (coalesced rows) and viewed as BLOCK_R * BLOCK_C / QCOLS rows of QCOLS
     for `dequant_rows`."""
-    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     pieces = tl.program_id(1) * (BLOCK_C // QCOLS) + tl.arange(0, BLOCK_C // QCOLS)
@@ -510,7 +496,6 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bo
     _dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_c))](
         w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0),
         QROWS=qrows, QCOLS=qcols, BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=8,
-        **launch_args(w.device),
     )
     return out
 
@@ -521,12 +506,11 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bo
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-    QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Rows x one QBLOCK column block: amax (>= 1e-4), exponent ceil(log2(amax / 448)) from the
     fp32 bits of amax * (1/448), codes = e4m3(x * 2**-exponent). A partial last block is
     quantised over the columns it has."""
-    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * QBLOCK + tl.arange(0, QBLOCK)
     ok = (rows < M)[:, None] & (cols < K)[None, :]
@@ -549,8 +533,7 @@ def fp8_act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     s = torch.empty(m, triton.cdiv(k, block), dtype=torch.uint8, device=x.device)
     rows = max(1, min(64, 4096 // block))
     _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, block))](
-        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), QBLOCK=block, BLOCK_R=rows, num_warps=4,
-        **launch_args(x.device),
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), QBLOCK=block, BLOCK_R=rows, num_warps=4
     )
     return q, s
 
@@ -581,12 +564,11 @@ def _w8a8_kernel(
     M, N, K, ROW_CLASS,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
     QBLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """FP8 x FP8 tile GEMM with per-(row, K block) and per-(N block, K block) power-of-two
     scales applied to each K step's partial product. Tiles are visited in groups of GROUP_M
     row tiles so that neighbouring programs share weight tiles in L2."""
-    pdl_start(PDL)
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -638,9 +620,6 @@ def fp8_linear_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
         xq, xs, w, w_scale, out, m, n, k, min(m.bit_length(), 14),
         xq.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         QBLOCK=block, BLOCK_K=32,
-        # through the autotuner: it passes every keyword but its configs' on to the kernel's run,
-        # the benchmark launches included (Triton 3.6 and 3.9), and PDL is not a tuning key
-        **launch_args(x.device),
     )
     return out.view(*lead, n)
 

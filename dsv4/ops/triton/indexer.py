@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import num_sms
-from dsv4.ops.triton.pdl import launch_args, pdl_start
 
 IDX_SCALE_BLOCK = tl.constexpr(32)  # one ue8m0 byte per 32 channels of an indexer key
 # Columns per tile: wgmma's M is 64 per warp group of 4 warps; ~96 registers on sm_90 (~127
@@ -81,9 +80,8 @@ def _index_scores_kernel(
     H, width, scale,
     stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
     PER_BLOCK: tl.constexpr, DK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr, PDL: tl.constexpr,
+    HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):
-    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -162,7 +160,7 @@ def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengt
         q.stride(0), q.stride(1), weights.stride(0), block_tables.stride(0), ent.stride(0), out.stride(0),
         PER_BLOCK=per_block, DK=dk, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_N=bn, HAS_ENTRIES=entries is not None,
         CONTIGUOUS=entries is None and per_block % bn == 0,
-        num_warps=cfg["num_warps"], **launch_args(q.device),
+        num_warps=cfg["num_warps"],
     )
     return out
 
@@ -171,9 +169,7 @@ def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengt
 
 
 @triton.jit
-def _block_max_kernel(scores_ptr, lengths_ptr, out_ptr, width, stride_st, stride_ot, BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr,
-                      PDL: tl.constexpr):
-    pdl_start(PDL)
+def _block_max_kernel(scores_ptr, lengths_ptr, out_ptr, width, stride_st, stride_ot, BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -207,8 +203,7 @@ def block_max(scores: torch.Tensor, lengths: torch.Tensor, block: int) -> torch.
     tb = max(1, cfg["TILE_BLOCKS"] // max(1, block // 8))  # ~1024 columns per tile
     split = max(1, min(triton.cdiv(n_blocks, tb), triton.cdiv(cfg["PROGRAMS_PER_SM"] * num_sms(scores.device), t)))
     _block_max_kernel[(t, split)](
-        scores, lengths, out, width, scores.stride(0), out.stride(0), BLOCK=block, TILE_BLOCKS=tb, num_warps=cfg["num_warps"],
-        **launch_args(scores.device),
+        scores, lengths, out, width, scores.stride(0), out.stride(0), BLOCK=block, TILE_BLOCKS=tb, num_warps=cfg["num_warps"]
     )
     return out
 
@@ -271,12 +266,11 @@ def _radix_threshold(v_ptr, lo, hi, k, BLOCK: tl.constexpr):
 @triton.jit
 def _topk_kernel(
     v_ptr, col_ptr, lengths_ptr, out_ptr, out_v_ptr, width, k, chunk, stride_v, stride_c,
-    STAGE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    STAGE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """STAGE 0: the top k of a whole row -> out [T, k]. STAGE 1: of chunk s of the row (columns
     s*chunk ..) -> columns and scores out[t*S + s, :k]. STAGE 2: of the candidates row t of
     stage 1 left (cdiv(length, chunk) chunks of k, in column order) -> their columns, out [T, k]."""
-    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     length = tl.minimum(tl.load(lengths_ptr + t).to(tl.int32), width)
     if STAGE == 1:
@@ -355,10 +349,10 @@ def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch
     opts = {"BLOCK": cfg["BLOCK"], "num_warps": cfg["num_warps"]}
     chunk, chunks = topk_chunks(t, width, k, scores.device)
     if chunks == 1:
-        _topk_kernel[(t, 1)](scores, out, lengths, out, out, width, k, width, scores.stride(0), 0, STAGE=0, **opts, **launch_args(scores.device))
+        _topk_kernel[(t, 1)](scores, out, lengths, out, out, width, k, width, scores.stride(0), 0, STAGE=0, **opts)
         return out
     cand = torch.empty(t * chunks, k, dtype=torch.int32, device=scores.device)
     cand_v = torch.empty(t * chunks, k, dtype=torch.float32, device=scores.device)
-    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, width, k, chunk, scores.stride(0), 0, STAGE=1, **opts, **launch_args(scores.device))
-    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, width, k, chunk, chunks * k, chunks * k, STAGE=2, **opts, **launch_args(scores.device))
+    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, width, k, chunk, scores.stride(0), 0, STAGE=1, **opts)
+    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, width, k, chunk, chunks * k, chunks * k, STAGE=2, **opts)
     return out

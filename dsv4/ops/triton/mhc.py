@@ -51,7 +51,6 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import num_sms
-from dsv4.ops.triton.pdl import launch_args, pdl_start
 
 # GEMM tiling: rows per program (fixed for every T: a row's product must not depend on its
 # batch), K step, chunk (the unit of the split and of the fixed-order chunk sum; 80 chunks at
@@ -99,13 +98,12 @@ def _fp32_gemm_kernel(
     x_ptr, w_ptr, part_ptr,
     T, N, K, stride_x, stride_w, stride_part, stride_row,
     K_STEPS, CHUNK_STEPS, CHUNKS_PER_PROGRAM,
-    SUMSQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    SUMSQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """part[pid_c, rows, cols] = sum over this program's chunks of x @ w^T for the column block
     pid_n; SUMSQ: column N holds sum x^2 instead.
 
     Each chunk's sum starts from zero and is added to the running total, in chunk order."""
-    pdl_start(PDL)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -173,16 +171,14 @@ def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Ten
             x2, w, part, t, n, k, x2.stride(0), w.stride(0), t * cols, cols,
             triton.cdiv(k, CONFIG["BLOCK_K"]), per, chunks // split,
             SUMSQ=sumsq, BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
-            **launch_args(x2.device),
         )
     return part
 
 
 @triton.jit
 def _sum_chunks_kernel(part_ptr, out_ptr, T, N, stride_part, stride_row, stride_out,
-                       CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                       CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[rows, :N] = the chunk sums of `fp32_gemm_parts` added in chunk order."""
-    pdl_start(PDL)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rt < T)[:, None] & (rn < N)[None, :]
@@ -206,7 +202,7 @@ def fp32_gemm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         block_n = min(triton.next_power_of_2(n), 256)
         _sum_chunks_kernel[(triton.cdiv(t, SUM_BLOCK_T), triton.cdiv(n, block_n))](
             part, out, t, n, part.stride(0), part.stride(1), out.stride(0),
-            CHUNKS=part.shape[0], BLOCK_T=SUM_BLOCK_T, BLOCK_N=block_n, num_warps=4, **launch_args(x2.device),
+            CHUNKS=part.shape[0], BLOCK_T=SUM_BLOCK_T, BLOCK_N=block_n, num_warps=4,
         )
     return out
 
@@ -215,7 +211,7 @@ def fp32_gemm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _mixes_epilogue_kernel(
     part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
     T, K, stride_part, iters, norm_eps, hc_eps,
-    CHUNKS: tl.constexpr, HC: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
+    CHUNKS: tl.constexpr, HC: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Chunk sums added in order, then pre = sigmoid(m * rsqrt * s0 + b) + eps, post = 2 *
     sigmoid(...), comb = Sinkhorn(softmax(...)) exactly as `ops.mhc.hc_mixes` orders them.
@@ -228,7 +224,6 @@ def _mixes_epilogue_kernel(
     vectorises the loads and keeps a comb row in one thread, which then runs HC divisions per
     normalisation (and the sums' order changes with the layout: the launch is fixed for every
     T)."""
-    pdl_start(PDL)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = rt < T
     h = tl.arange(0, HC)
@@ -285,7 +280,6 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
         part, base.contiguous(), scale.contiguous(), pre, post, comb,
         t, k, t * part.shape[2], iters, norm_eps, hc_eps,
         CHUNKS=part.shape[0], HC=hc, NP=part.shape[2], BLOCK_T=ebt, num_warps=1, enable_fp_fusion=False,
-        **launch_args(x.device),
     )
     return pre, post, comb
 
@@ -297,12 +291,11 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
 def _collapse_kernel(
     x_ptr, pre_ptr, w_ptr, out_ptr,
     D, stride_xt, stride_xh, stride_ot, eps,
-    HC: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    HC: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One row: h = bf16(sum_k pre_k * x_k) (fp32 sum in stream order); with NORM, the RMSNorm
     of h: stats in fp32, V4.1 rounds the normalised value to bf16 and multiplies by the bf16
     weight there, V4 multiplies by the fp32 weight and rounds once."""
-    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -334,7 +327,7 @@ def _collapse(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, e
     _collapse_kernel[(t,)](
         x, pre, weight if weight is not None else pre, out, d, x.stride(0), x.stride(1), out.stride(0), eps,
         HC=hc, NORM=weight is not None, WEIGHT_IN_FP32=weight_in_fp32, BLOCK_D=block_d,
-        num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False, **launch_args(x.device),
+        num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False,
     )
     return out
 
@@ -353,10 +346,9 @@ def hc_collapse_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, e
 def _expand_kernel(
     y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
     D, stride_yt, stride_rt, stride_rh,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out[t, k, cols] = bf16(post_k * y + sum_j comb[j, k] * residual_j), all fp32."""
-    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = d < D
@@ -381,6 +373,6 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     y = y.contiguous()
     _expand_kernel[(t, triton.cdiv(d, EXPAND_BLOCK_D))](
         y, residual, post.contiguous(), comb.contiguous(), out, d, y.stride(0), residual.stride(0), residual.stride(1),
-        HC=hc, BLOCK_D=EXPAND_BLOCK_D, num_warps=4, enable_fp_fusion=False, **launch_args(y.device),
+        HC=hc, BLOCK_D=EXPAND_BLOCK_D, num_warps=4, enable_fp_fusion=False,
     )
     return out

@@ -46,7 +46,6 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import dequant_fp8, dequant_rows, dequant_words, ptx_convert, wgmma_tile_error
-from dsv4.ops.triton.pdl import launch_args, pdl_start
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
 ALIGN_P_BLOCK = 512  # pairs per chunk of the layout kernel's passes
@@ -144,7 +143,7 @@ def _scale_byte(scale_word, k0, j: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit(do_not_specialize=["n_pairs", "n_experts", "n_tiles"])
 def _align_kernel(
     ids_ptr, rows_ptr, tile_expert_ptr, n_pairs, n_experts, n_tiles,
-    BLOCK_T: tl.constexpr, E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, FILL: tl.constexpr,
 ):
     """Program e < n_experts: expert e's segment of the layout of `align_by_expert`; program
     n_experts: the tiles past the used ones.
@@ -156,7 +155,6 @@ def _align_kernel(
     segment as padding. The programs write disjoint parts of the layout, so they need no
     ordering (one program for everything was 22 us at 448 pairs and 85 us at 1792, device
     profile of the fourth session)."""
-    pdl_start(PDL)
     e = tl.program_id(0)
     bins = tl.arange(0, E_BLOCK)
     counts = tl.zeros((E_BLOCK,), dtype=tl.int32)
@@ -218,9 +216,8 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _swiglu_rows_kernel(h_ptr, rw_ptr, act_ptr, P, I, stride_h, stride_act, limit,
-                        HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr):
+                        HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
     """act [P, I] bf16 = swiglu(h[:, :I], h[:, I:]) (* rw per row): the dense path's epilogue."""
-    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = (rows < P)[:, None] & (cols < I)[None, :]
@@ -239,18 +236,14 @@ def _gate_up_kernel(
     limit,
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr, PDL: tl.constexpr,
+    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
     transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`).
     WORDS: weights and scales read as int32 words (`MOE["DEQUANT"]`; EVEN_K and D % 128 == 0).
     STACK: the program's BLOCK_N weight rows are BLOCK_N / 2 gate rows over the same up rows,
     one accumulator split in two for the SwiGLU (half the work per program, twice the
-    programs); else BLOCK_N gate rows and BLOCK_N up rows in two accumulators.
-
-    No weight prefetch before the wait (unlike `fp8_gemm._w8a16_kernel`): which expert's rows a
-    program reads comes from the routing, which the kernels just before write."""
-    pdl_start(PDL)
+    programs); else BLOCK_N gate rows and BLOCK_N up rows in two accumulators."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     # int64: an expert's offset e * stride_we passes 2**31 from expert 91 on at V4.1's shapes
@@ -334,11 +327,10 @@ def _down_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, PDL: tl.constexpr,
+    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr,
 ):
     """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16),
-    computed transposed like `_gate_up_kernel` (and like it without weight prefetch)."""
-    pdl_start(PDL)
+    computed transposed like `_gate_up_kernel`."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES)  # int64: see _gate_up_kernel
@@ -383,13 +375,11 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                      PDL: tl.constexpr):
+def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
     """out[t] = ((0 + y[t, s_0]) + y[t, s_1]) + ... in fp32 (stored in out's dtype), s_0, s_1,
     ... the token's slots in ascending expert id (ties in slot order): the order the reference
     adds experts in.
     GATHER: pair p = t * TOPK + s is row row_ptr[p] of y (else row p)."""
-    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
@@ -431,7 +421,6 @@ def align_by_expert(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
         _align_kernel[(n_experts + 1,)](
             flat_ids, rows, tile_expert, n, n_experts, n_tiles,
             BLOCK_T=block_m, E_BLOCK=triton.next_power_of_2(n_experts + 1), P_BLOCK=ALIGN_P_BLOCK, FILL=256, num_warps=4,
-            **launch_args(flat_ids.device),
         )
         return rows, tile_expert
     counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
@@ -464,7 +453,6 @@ def _slot_sums(y: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype, pair_
     _sum_slots_kernel[(t, triton.cdiv(d, 1024))](
         y, ids, ids if pair_rows is None else pair_rows, out, d,
         TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, GATHER=pair_rows is not None, num_warps=4,
-        **launch_args(y.device),
     )
     return out
 
@@ -518,7 +506,6 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     _swiglu_rows_kernel[(triton.cdiv(n_pairs, block_p), triton.cdiv(inter, block_i))](
         h, rw, act, n_pairs, inter, h.stride(0), act.stride(0), float(limit),
         HAS_LIMIT=limit > 0, WEIGHTED=weight_before_down, BLOCK_P=block_p, BLOCK_I=block_i, num_warps=4,
-        **launch_args(x.device),
     )
     del h
     g2 = dequant_fp8(w2.view(-1, inter), w2_scale.reshape(-1, inter // SCALE_BLOCK), 0, True).view(n_experts, d, inter)
@@ -603,7 +590,7 @@ def moe_experts(
         TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
         BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
         WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack,
-        num_warps=gu["num_warps"], num_stages=gu["num_stages"], **launch_args(x.device),
+        num_warps=gu["num_warps"], num_stages=gu["num_stages"],
     )
     _down_kernel[(n_tiles, triton.cdiv(d, dn["BLOCK_N"]))](
         act, w2, w2_scale, rows, tile_expert, weights, y,
@@ -612,6 +599,6 @@ def moe_experts(
         WEIGHT_BEFORE_DOWN=weight_before_down,
         BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
         WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles,
-        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **launch_args(x.device),
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"],
     )
     return _slot_sums(y, ids, out_dtype)

@@ -22,14 +22,12 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.mhc import fp32_gemm_parts
-from dsv4.ops.triton.pdl import launch_args, pdl_start
 
 
 @triton.jit
 def _route_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_part, stride_l, temp, scale, extra_id,
                   CHUNKS: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, EXTRA: tl.constexpr, E_BLOCK: tl.constexpr,
-                  K_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                  K_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, E_BLOCK)
     ok = cols < E
@@ -82,6 +80,5 @@ def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k:
             -1 if extra_expert is None else int(extra_expert),
             CHUNKS=part.shape[0], TOP_K=top_k, NORMALIZE=normalize and top_k > 1, EXTRA=extra_expert is not None,
             E_BLOCK=triton.next_power_of_2(e), K_BLOCK=max(2, triton.next_power_of_2(width)), num_warps=4 if e > 256 else 1,
-            **launch_args(x.device),
         )
     return weights, ids

@@ -14,14 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.pdl import launch_args, pdl_start
-
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, WEIGHT_IN_FP32: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, WEIGHT_IN_FP32: tl.constexpr, BLOCK: tl.constexpr):
     """out = weight * (x * rsqrt(mean(x^2) + eps)): V4.1 rounds the normalised value to the
     activation dtype before the weight multiply (WEIGHT_IN_FP32 False), V4 multiplies in fp32."""
-    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -46,20 +43,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, float(eps),
-                                          WEIGHT_IN_FP32=weight_in_fp32, BLOCK=block, num_warps=4 if block <= 2048 else 8, **launch_args(x.device))
+                                          WEIGHT_IN_FP32=weight_in_fp32, BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return out.view(x.shape)
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, V, M, lead, stride_xt, stride_xm, stride_c,
-                 HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                 HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
     """In place: rotate the trailing pairs (even, odd) of BLOCK_V vectors (vector v = token
     v // M, vector v % M of it) by their token's angle: (e*c - o*s, e*s + o*c), fp32 math;
     INVERSE negates the sine. cos/sin [T, HALF] hold the activation dtype's rounding of the
     angles. The `lead` channels before them are not touched (not read, not written). The
     2*HALF rotated channels of a vector are one contiguous load and store (16-byte accesses),
     split into even and odd channels in registers."""
-    pdl_start(PDL)
     v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     ok = (v < V)[:, None]
     t = v // M
@@ -97,6 +93,6 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     if t * m:
         _rope_kernel[(triton.cdiv(t * m, ROPE_BLOCK_V),)](
             x, cos, sin, t * m, m, d - 2 * half, x.stride(0), x.stride(1) if x.dim() == 3 else 0, cos.stride(0),
-            HALF=half, INVERSE=inverse, BLOCK_V=ROPE_BLOCK_V, num_warps=4, **launch_args(x.device),
+            HALF=half, INVERSE=inverse, BLOCK_V=ROPE_BLOCK_V, num_warps=4,
             enable_fp_fusion=False)  # no multiply-add contraction: the reference rounds each product
     return x
