@@ -72,7 +72,6 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "mhc": 0.15,
     "gemm_sweep": 0.25,
     "moe_sweep": 0.15,
-    "w8a16_pre_dequant": 0.1,
 }
 
 RECORDS: list[dict] = []
@@ -908,36 +907,6 @@ def section_moe_sweep() -> None:
     """The MoE half of gemm_sweep alone."""
     run_gemm_sweep(("moe",))
 
-
-
-PRE_DEQUANT_ROWS = (96, 128, 192, 256)
-
-
-def section_w8a16_pre_dequant() -> None:
-    """fp8_linear_w8a16 with the weight dequantised to bf16 first ("PRE_DEQUANT") against the
-    in-kernel dequantisation, same tile, at every projection and PRE_DEQUANT_ROWS rows: the
-    same bits (the wgmma reads the bf16 tile from shared memory instead of registers) and
-    both times from CUDA graphs over weight copies beyond the L2 — where the class knob pays."""
-    from dsv4.ops.triton import fp8_gemm
-
-    for name, n, k, block in PROJECTIONS:
-        w, s = fp8_weight(n, k, block, seed=n + k)
-        copies = rotated(w, s)
-        for m in PRE_DEQUANT_ROWS:
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            tile = {key: v for key, v in fp8_gemm.w8a16_config(m).items() if key != "PRE_DEQUANT"}
-            nbytes, flops = n * k + s.numel() + m * k * 2 + m * n * 2, 2 * m * n * k
-            out, times = {}, {}
-            for pre in (False, True):
-                with w8a16_knobs({"tile": {**tile, "PRE_DEQUANT": pre}}, n, k, block):
-                    out[pre] = fp8_gemm.fp8_linear_w8a16(x, w, s, block)
-                    times[pre] = graph_time([lambda wi=wi, si=si: fp8_gemm.fp8_linear_w8a16(x, wi, si, block) for wi, si in copies])
-            same = torch.equal(out[False], out[True])
-            for pre in (False, True):
-                record("w8a16_pre_dequant", f"{name} M={m}", "pre_dequant" if pre else "in_kernel", ok=same, same_bits=same,
-                       **perf(times[pre], nbytes, flops, "bf16"))
-        del copies
-        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------ attention

@@ -170,12 +170,6 @@ def dequant_words(words, scale_byte):
 #   neighbouring programs share (L2 reuse when there are many row tiles), warps and pipeline
 #   depth. None of these changes a row's bits (see above; the fixed pieces keep that true in
 #   the interpreter too, whose dot is a numpy product per piece), so the row class may follow M.
-#   Optional "PRE_DEQUANT" (default False): the call first dequantises the weight to a bf16
-#   copy (`dequant_fp8`, one pass: 1 byte read and 2 written per weight) and the kernel
-#   multiplies that as loaded — the same values in the same MMA chain, so the same bits. From
-#   a few hundred rows the in-kernel dequantisation's shared-memory round trip (ncu S3-3)
-#   bounds the kernel while the bf16 tile goes to the tensor cores straight from its copy;
-#   below, reading 3 bytes per weight instead of 1 costs more than it saves.
 # "CHUNKS" / "PROGRAMS_PER_SM" / "MIN_CHUNK_K": K is cut into chunks from the weight's shape and
 #   the device only (never from M): CHUNKS[(N, K, block)] if set, else enough chunks that a
 #   decode call (the first row class's BLOCK_N) has about PROGRAMS_PER_SM programs per SM,
@@ -214,8 +208,7 @@ W8A16 = {
         (16, {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 4}),
         (32, {"BLOCK_T": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 4}),
         (64, {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 8, "num_stages": 3}),
-        (128, {"BLOCK_T": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_T": 8, "num_warps": 8, "num_stages": 3}),
-        (None, {"BLOCK_T": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_T": 8, "num_warps": 8, "num_stages": 3, "PRE_DEQUANT": True}),
+        (None, {"BLOCK_T": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_T": 8, "num_warps": 8, "num_stages": 3}),
     ),
     # wq_a: 10 chunks of 512 beat the default 20 of 256 by 14% over M = 1, 8, 64 (device run 1)
     "CHUNKS": {(1280, 5120, 32): 10},
@@ -249,7 +242,7 @@ def _w8a16_kernel(
     QBLOCK: tl.constexpr, PIECE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, WORDS: tl.constexpr,
-    LOADS: tl.constexpr, ROWS: tl.constexpr, W_BF16: tl.constexpr,
+    LOADS: tl.constexpr, ROWS: tl.constexpr,
 ):
     """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
     by K chunk (the weight rows as the wgmma's M; see the knobs above).
@@ -263,11 +256,7 @@ def _w8a16_kernel(
 
     WORDS (`W8A16["DEQUANT"]` "words"; needs EVEN_K, PTX and 4-byte aligned weight rows): the
     weights are read as int32 words of 4 codes and dequantised by `dequant_words` — the same
-    values as the byte path.
-
-    W_BF16 (a row class's "PRE_DEQUANT"): w_ptr is the weight already dequantised to bf16 [N, K]
-    (`dequant_fp8`, the same values), multiplied as loaded: the same pieces, chunks and MMA
-    chain, so the same bits."""
+    values as the byte path."""
     pid = tl.program_id(0)
     tiles_t = tl.cdiv(M, BLOCK_T)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -305,28 +294,21 @@ def _w8a16_kernel(
                 x = tl.load(x_rows + k[None, :], mask=t_ok[:, None], other=0.0)
             else:
                 x = tl.load(x_rows + k[None, :], mask=t_ok[:, None] & (k < K)[None, :], other=0.0)
-            if W_BF16:  # the weight dequantised before the launch: the same bf16 values, straight to the MMA
-                if EVEN_K:
-                    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-                else:
-                    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-                acc = tl.dot(w, tl.trans(x), acc)
+            if WORDS:
+                w = tl.load(w_words + ((k0 + j * PIECE) // 4 + rq)[None, :], mask=n_ok[:, None], other=0)
+            elif EVEN_K:
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
             else:
-                if WORDS:
-                    w = tl.load(w_words + ((k0 + j * PIECE) // 4 + rq)[None, :], mask=n_ok[:, None], other=0)
-                elif EVEN_K:
-                    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-                else:
-                    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-                if (j * PIECE) % QBLOCK == 0:  # a new scale column
-                    if EVEN_K:
-                        s = tl.load(s_rows + (k0 + j * PIECE) // QBLOCK, mask=n_ok, other=0)
-                    else:  # a piece past K (zeros) takes the row's last scale: there is no column there
-                        s = tl.load(s_rows + tl.minimum((k0 + j * PIECE) // QBLOCK, (K - 1) // QBLOCK), mask=n_ok, other=0)
-                if WORDS:
-                    acc = tl.dot(dequant_words(w, s.to(tl.int32)), tl.trans(x), acc)
-                else:
-                    acc = tl.dot(dequant_rows(w, s, PTX), tl.trans(x), acc)
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+            if (j * PIECE) % QBLOCK == 0:  # a new scale column
+                if EVEN_K:
+                    s = tl.load(s_rows + (k0 + j * PIECE) // QBLOCK, mask=n_ok, other=0)
+                else:  # a piece past K (zeros) takes the row's last scale: there is no column there
+                    s = tl.load(s_rows + tl.minimum((k0 + j * PIECE) // QBLOCK, (K - 1) // QBLOCK), mask=n_ok, other=0)
+            if WORDS:
+                acc = tl.dot(dequant_words(w, s.to(tl.int32)), tl.trans(x), acc)
+            else:
+                acc = tl.dot(dequant_rows(w, s, PTX), tl.trans(x), acc)
         if not SPLIT:
             if (k0 + BLOCK_K == chunk_end) | (k0 + BLOCK_K >= k_hi):
                 total += acc
@@ -467,14 +449,12 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     part = torch.empty(chunks if split else 0, m, n, dtype=torch.float32, device=x.device)
     ptx = ptx_convert(x.device)
-    pre = cfg.get("PRE_DEQUANT", False)
-    wk = dequant_fp8(w, w_scale, block, False) if pre else w  # freed after the launch (the stream orders its reuse)
     _w8a16_kernel[(tiles, chunks if split else 1)](
-        x2, wk, w_scale, out, part, _tile_counters(x.device, split), m, n, k, chunk_k, n // groups,
-        x2.stride(0), wk.stride(0), w_scale.stride(0), out.stride(0),
+        x2, w, w_scale, out, part, _tile_counters(x.device, split), m, n, k, chunk_k, n // groups,
+        x2.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
-        SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=not pre and w8a16_words(ptx, w, k % bk == 0),
-        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, W_BF16=pre,
+        SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=w8a16_words(ptx, w, k % bk == 0),
+        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out.view(*lead, n)
