@@ -1958,7 +1958,7 @@ def invariance_fp32_gemm() -> None:
     column's bits must not depend on the block width: the split calls take 32)."""
     from unittest import mock
 
-    from dsv4.ops.triton import mhc
+    from dsv4.ops.triton import fp8_gemm, mhc
 
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(4096, 5120, device="cuda", generator=g).bfloat16()
@@ -2003,7 +2003,8 @@ def compile_targets() -> list[tuple]:
             for split, words in ((sp, wo) for sp in (False, True) for wo in (False, True)):  # both weight reads
                 tiles = {k: cfg[k] for k in ("BLOCK_T", "BLOCK_N", "BLOCK_K", "GROUP_T")}
                 consts = dict(tiles, QBLOCK=block, PIECE=min(block, 32), SPLIT=split, EVEN_K=True, PTX=True, WORDS=words,
-                              LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS)
+                              LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS,
+                              TICKET=split and cfg["BLOCK_T"] <= fp8_gemm.W8A16["TICKET_MAX_T"])
                 label = f"w8a16 rows<={max_rows} BT={cfg['BLOCK_T']} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} b={block} split={split} {'words' if words else 'bytes'}"
                 # every row class on wgmma: the batch-invariance contract (fp8_gemm.W8A16)
                 out.append((label, fp8_gemm._w8a16_kernel, w8a16, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, "wgmma"))
@@ -2180,7 +2181,7 @@ def engram_compile_targets() -> list[tuple]:
 
 def mhc_compile_targets() -> list[tuple]:
     """mHC at hc = 4, D = 5120 (V4's 4096 for the fp32-weight norm)."""
-    from dsv4.ops.triton import mhc
+    from dsv4.ops.triton import fp8_gemm, mhc
 
     i, f = "i32", "fp32"
     cfg = mhc.CONFIG
@@ -2188,8 +2189,9 @@ def mhc_compile_targets() -> list[tuple]:
             "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
     out = [(f"fp32 gemm {label}", mhc._fp32_gemm_kernel, gemm, {"SUMSQ": sumsq, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": n, "BLOCK_K": cfg["BLOCK_K"]},
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}) for label, sumsq, n in (("mhc mixes", True, 32), ("router split", False, mhc.SPLIT_BLOCK_N), ("wide", False, mhc.WIDE_BLOCK_N))]
-    out.append(("fp32 gemm chunk sum", mhc._sum_chunks_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32", "T": i, "N": i, "stride_part": i, "stride_row": i, "stride_out": i},
-                {"CHUNKS": mhc.fp32_chunks(5120)[1], "BLOCK_T": mhc.SUM_BLOCK_T, "BLOCK_N": 256}, {"num_warps": 4}))
+    for label, dst, chunks in (("fp32 gemm", "*fp32", mhc.fp32_chunks(5120)[1]), ("w8a16 bf16", "*bf16", 20)):
+        out.append((f"{label} chunk sum", fp8_gemm._sum_chunks_kernel, {"part_ptr": "*fp32", "out_ptr": dst, "T": i, "N": i, "stride_part": i, "stride_row": i, "stride_out": i},
+                    {"CHUNKS": chunks, "BLOCK_T": fp8_gemm.SUM_BLOCK_T, "BLOCK_N": 256}, {"num_warps": 4}))
     epi = {n: "*fp32" for n in ("part_ptr", "base_ptr", "scale_ptr", "pre_ptr", "post_ptr", "comb_ptr")}
     epi.update(T=i, K=i, stride_part=i, iters=i, norm_eps=f, hc_eps=f)
     for chunks in (1, mhc.fp32_chunks(4 * 5120)[1]):

@@ -219,6 +219,11 @@ W8A16 = {
     "MIN_CHUNK_K": 256,
     "SPLIT_TILES_PER_SM": 1.0,
     "DEQUANT": "words",
+    # split calls whose row tile is at most this many rows add their chunk partials in the
+    # tile's last program (a ticket); wider tiles store them and `sum_chunks` adds them, spread
+    # over many programs — the last program alone reading every chunk of a 128 x 128 tile was a
+    # fixed ~25-34 us per call from 96 rows, whatever the weight (device call S6-2)
+    "TICKET_MAX_T": 32,
 }
 # Chunks other than the last are a multiple of this (the widest BLOCK_K), so that no K step of
 # any row class straddles two chunks.
@@ -242,7 +247,7 @@ def _w8a16_kernel(
     QBLOCK: tl.constexpr, PIECE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, WORDS: tl.constexpr,
-    LOADS: tl.constexpr, ROWS: tl.constexpr,
+    LOADS: tl.constexpr, ROWS: tl.constexpr, TICKET: tl.constexpr,
 ):
     """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
     by K chunk (the weight rows as the wgmma's M; see the knobs above).
@@ -319,6 +324,7 @@ def _w8a16_kernel(
         plane = M * N  # partials [chunks, M, N]
         ok = n_ok[:, None] & t_ok[None, :]
         tl.store(part_ptr + tl.program_id(1) * plane + rt[None, :] * N + rn[:, None], acc, mask=ok)
+    if SPLIT and TICKET:  # (without TICKET, `sum_chunks` adds the partials after the kernel)
         tl.debug_barrier()  # every thread's partial is written before the ticket releases them
         ticket = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
         if ticket == chunks - 1:
@@ -338,7 +344,7 @@ def _w8a16_kernel(
                         sums = tl.where(c0 + j < chunks, sums + parts[j], sums)
                 tl.store(out_ptr + rr.to(tl.int64)[:, None] * stride_om + rn[None, :], sums.to(out_ptr.dtype.element_ty), mask=ok_r)
             tl.atomic_xchg(count_ptr + pid, 0)  # zero again for the next call on the stream
-    else:
+    if not SPLIT:
         out = out_ptr + rt.to(tl.int64)[None, :] * stride_om + rn[:, None]
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & t_ok[None, :])
 
@@ -446,18 +452,51 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
     chunks = triton.cdiv(k, chunk_k)
     tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
     split = chunks > 1 and tiles < W8A16["SPLIT_TILES_PER_SM"] * num_sms(x.device) and tiles <= COUNTER_TILES
+    ticket = split and bt <= W8A16["TICKET_MAX_T"]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     part = torch.empty(chunks if split else 0, m, n, dtype=torch.float32, device=x.device)
     ptx = ptx_convert(x.device)
     _w8a16_kernel[(tiles, chunks if split else 1)](
-        x2, w, w_scale, out, part, _tile_counters(x.device, split), m, n, k, chunk_k, n // groups,
+        x2, w, w_scale, out, part, _tile_counters(x.device, ticket), m, n, k, chunk_k, n // groups,
         x2.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
         SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=w8a16_words(ptx, w, k % bk == 0),
-        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS,
+        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, TICKET=ticket,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split and not ticket:
+        sum_chunks(part, out)
     return out.view(*lead, n)
+
+
+SUM_BLOCK_T = 4  # rows per program of `sum_chunks`
+
+
+@triton.jit
+def _sum_chunks_kernel(part_ptr, out_ptr, T, N, stride_part, stride_row, stride_out,
+                       CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[rows, :N] = the chunk partials added in chunk order from zero (stored in out's dtype)."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rt < T)[:, None] & (rn < N)[None, :]
+    src = part_ptr + rt.to(tl.int64)[:, None] * stride_row + rn[None, :]
+    total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):  # unrolled: every chunk's loads issue at once
+        total += tl.load(src + c * stride_part, mask=ok, other=0.0)
+    tl.store(out_ptr + rt.to(tl.int64)[:, None] * stride_out + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_chunks(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, N] (fp32 or bf16) = part [C, T, N] fp32 (rows contiguous) summed over C in order,
+    in fp32 from zero — the additions of the split GEMMs' in-kernel sums, so the same bits."""
+    t, n = out.shape
+    if t:
+        block_n = min(triton.next_power_of_2(n), 256)
+        _sum_chunks_kernel[(triton.cdiv(t, SUM_BLOCK_T), triton.cdiv(n, block_n))](
+            part, out, t, n, part.stride(0), part.stride(1), out.stride(0),
+            CHUNKS=part.shape[0], BLOCK_T=SUM_BLOCK_T, BLOCK_N=block_n, num_warps=4,
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------ dequantisation

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import num_sms
+from dsv4.ops.triton.fp8_gemm import num_sms, sum_chunks
 
 # GEMM tiling: rows per program (fixed for every T: a row's product must not depend on its
 # batch), K step, chunk (the unit of the split and of the fixed-order chunk sum; 80 chunks at
@@ -63,7 +63,6 @@ from dsv4.ops.triton.fp8_gemm import num_sms
 # 2 x 4 x 4 comb tile is one entry per lane (why: `_mixes_epilogue_kernel`); fixed for every T
 # like BLOCK_T, since the tile's layout sets the order of the epilogue's sums.
 CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 256, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
-SUM_BLOCK_T = 4  # rows per program of `fp32_gemm`'s chunk sum
 # Output columns per GEMM program (mHC's 24 + 1 in one block): 32 when the K chunks are split
 # over programs (few rows: a router at batch 1 was 0.05 ms slower with 64, half the programs),
 # 64 otherwise (251 registers at 8 warps, no spills; x is read once per column block: the
@@ -175,20 +174,6 @@ def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Ten
     return part
 
 
-@triton.jit
-def _sum_chunks_kernel(part_ptr, out_ptr, T, N, stride_part, stride_row, stride_out,
-                       CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[rows, :N] = the chunk sums of `fp32_gemm_parts` added in chunk order."""
-    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (rt < T)[:, None] & (rn < N)[None, :]
-    src = part_ptr + rt.to(tl.int64)[:, None] * stride_row + rn[None, :]
-    total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for c in tl.static_range(CHUNKS):  # unrolled: every chunk's loads issue at once
-        total += tl.load(src + c * stride_part, mask=ok, other=0.0)
-    tl.store(out_ptr + rt.to(tl.int64)[:, None] * stride_out + rn[None, :], total, mask=ok)
-
-
 def fp32_gemm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """bf16 x2 [T, K] @ fp32 w [N, K]^T -> fp32 [T, N] at fp32 accuracy, a row's bits
     independent of T (`fp32_gemm_parts`, its chunk sums added in order here when the GEMM
@@ -197,14 +182,7 @@ def fp32_gemm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     part = fp32_gemm_parts(x2, w, sumsq=False)
     if part.shape[0] == 1 and part.shape[2] == n:
         return part[0]
-    out = torch.empty(t, n, dtype=torch.float32, device=x2.device)
-    if t:
-        block_n = min(triton.next_power_of_2(n), 256)
-        _sum_chunks_kernel[(triton.cdiv(t, SUM_BLOCK_T), triton.cdiv(n, block_n))](
-            part, out, t, n, part.stride(0), part.stride(1), out.stride(0),
-            CHUNKS=part.shape[0], BLOCK_T=SUM_BLOCK_T, BLOCK_N=block_n, num_warps=4,
-        )
-    return out
+    return sum_chunks(part, torch.empty(t, n, dtype=torch.float32, device=x2.device))
 
 
 @triton.jit
