@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+ACT_BLOCK = 32  # columns per scale of quantised GEMM inputs (V4.1's weight block: the reference quantises x the same way)
 FP4_MAX = 6.0  # largest e2m1 magnitude
 
 # e2m1 code -> value; bit 3 is the sign (code 8 is -0).
@@ -212,6 +213,18 @@ def fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     if x.shape[-1] % block:
         return x
     return dequantize_fp8_ue8m0(*quantize_fp8_ue8m0(x, block), x.dtype, block)
+
+
+def fake_quant_act(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+    """dequantize(quantize(x)) of a GEMM input under FP8 activations (`ModelConfig.fp8_activations`,
+    DeepSeek's reference numerics): the window-KV quantiser's rule per `block` columns of a row;
+    a partial last block is quantised over the columns it has (zero padding leaves its amax)."""
+    n = x.shape[-1]
+    pad = -n % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    y = dequantize_fp8_ue8m0(*quantize_fp8_ue8m0(x, block), x.dtype, block)
+    return y[..., :n] if pad else y
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:

@@ -41,13 +41,27 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return linear(x.float(), w)
 
 
+def quantise_input(x: torch.Tensor) -> torch.Tensor:
+    """A GEMM input under FP8 activations (`ModelConfig.fp8_activations`): its FP8 round trip
+    per `quant.ACT_BLOCK` columns (`quant.fake_quant_act`; one Triton launch for bf16 on the
+    GPU). A bf16 GEMM of the round trip is the FP8 x FP8 product up to the order of the sums."""
+    if on_triton(x) and x.dtype == torch.bfloat16:
+        from dsv4.ops.triton import fp8_gemm
+
+        return fp8_gemm.fp8_act_fake_quant(x, quant.ACT_BLOCK)
+    return quant.fake_quant_act(x, quant.ACT_BLOCK)
+
+
 class Linear:
     """One projection `y = x @ W^T`, W either in the compute dtype or FP8 with E8M0 scales:
     one per `block` x `block` tile (dense projections), or with `row_scales=True` one per 32
-    inputs of a row (routed experts converted exactly from FP4)."""
+    inputs of a row (routed experts converted exactly from FP4). `quant_input`: the weight is
+    FP8/FP4 in the checkpoint and the model runs FP8 activations, so x is quantised first
+    (`quantise_input`; the loader may have dequantised the weight itself)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, block: int = 0, row_scales: bool = False):
-        self.weight, self.scale, self.block, self.row_scales = weight, scale, block, row_scales
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, block: int = 0, row_scales: bool = False,
+                 quant_input: bool = False):
+        self.weight, self.scale, self.block, self.row_scales, self.quant_input = weight, scale, block, row_scales, quant_input
 
     @property
     def out_features(self) -> int:
@@ -67,6 +81,10 @@ class Linear:
         return quant.dequant_fp8_block(self.weight, self.scale, self.block, validate=False).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(quantise_input(x) if self.quant_input else x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W^T` of x as given (already quantised where `quant_input` asks for it)."""
         if self.scale is not None and not self.row_scales and x.is_cuda and x.dtype == torch.bfloat16:
             if x.numel() >= DENSE_GEMM_ROWS * x.shape[-1]:
                 return F.linear(x, self.dense(x.dtype))
@@ -83,9 +101,11 @@ def grouped_linear(x: torch.Tensor, whole: Linear, parts: list[Linear]) -> torch
     launch of the weight-only kernel for all groups; otherwise one projection per group."""
     groups = len(parts)
     rows = x.shape[0]
+    if whole.quant_input:  # per block of a group's inputs (K), as each part would
+        x = quantise_input(x)
     if whole.scale is not None and not whole.row_scales and x.is_cuda and x.dtype == torch.bfloat16 and rows < DENSE_GEMM_ROWS:
         from dsv4.ops.triton import fp8_gemm
 
         if fp8_gemm.grouped_fits(whole.out_features // groups, rows):
             return fp8_gemm.fp8_linear_w8a16(x.reshape(rows, -1), whole.weight, whole.scale, whole.block, groups=groups)
-    return torch.cat([w(x[:, g]) for g, w in enumerate(parts)], dim=-1)
+    return torch.cat([w.matmul(x[:, g]) for g, w in enumerate(parts)], dim=-1)

@@ -60,7 +60,7 @@ def test_grouped_moe_with_the_shared_expert_folded_in_matches_the_reference(monk
     # the dense (prefill) path on the same stacked weights, shared expert included
     monkeypatch.setattr("dsv4.model.layers.moe.DENSE_EXPERT_PAIRS", 0)
     calls = []
-    monkeypatch.setattr("dsv4.ops.triton.moe_experts_dense", lambda *a: calls.append("dense") or dense_experts(*a))
+    monkeypatch.setattr("dsv4.ops.triton.moe_experts_dense", lambda *a, **kw: calls.append("dense") or dense_experts(*a, **kw))
     dense_path = fast(x, ids)
     assert calls == ["dense"]
     assert (dense_path.float() - want.float()).abs().max() <= 2**-7 * scale

@@ -250,6 +250,22 @@ def test_fp8_act_quant_bit_exact():
         assert torch.equal(s.cpu(), rs)
 
 
+def test_fp8_act_fake_quant_is_the_quantised_round_trip():
+    """The one-launch FP8 round trip of a projection input (`fp8_activations`) equals
+    `quant.fake_quant_act` bit for bit, with a partial last block (K = 48) quantised over the
+    columns it has; a [R, G, K] input (grouped wo_a) is quantised per row of K."""
+    g = _gen(4)
+    for shape in ((5, 96), (3, 48), (2, 3, 64)):
+        x = (torch.randn(*shape, generator=g) * torch.logspace(-6, 2, shape[-1])).bfloat16()
+        y = fp8_gemm.fp8_act_fake_quant(x.to(DEVICE), 32)
+        ref = quant.fake_quant_act(x, 32)
+        assert y.shape == x.shape and y.dtype == torch.bfloat16
+        assert torch.equal(y.cpu(), ref)
+        assert not torch.equal(ref, x)  # the round trip rounds
+    padded = quant.fake_quant_act(torch.nn.functional.pad(x, (0, 0)), 32)
+    assert torch.equal(padded, quant.fake_quant_fp8(x, 32))  # whole blocks: the window-KV quantiser
+
+
 def test_fp8_linear_dispatch_and_leading_dims(monkeypatch):
     g = _gen(5)
     x = torch.randn(2, 3, 64, generator=g).bfloat16()
@@ -383,6 +399,53 @@ def test_moe_experts_matches_reference(weight_before_down, t, top_k, n_exp):
         assert _rel_err(y, ref) <= 2 * BF16_REL
     else:  # V4: the reference sums the k expert outputs in bf16, the kernel in fp32
         assert (y.cpu() - ref).abs().max() <= 3 * BF16_REL * ref.abs().max()
+
+
+def _exact_experts(e: int, d: int, inter: int, g: torch.Generator):
+    """Experts whose FP8 x FP8 products sum exactly in fp32 in any order (few significant bits,
+    two scales per matrix): a kernel and the reference then see the same bf16 gate / up."""
+    w13 = (torch.randint(-8, 9, (e, 2 * inter, d), generator=g) * 0.25).to(torch.float8_e4m3fn)
+    s13 = torch.randint(125, 127, (e, 2 * inter, d // 32), generator=g, dtype=torch.uint8)
+    w2 = (torch.randint(-8, 9, (e, d, inter), generator=g) * 0.25).to(torch.float8_e4m3fn)
+    s2 = torch.randint(121, 123, (e, d, inter // 32), generator=g, dtype=torch.uint8)
+    return w13, s13, w2, s2
+
+
+def _quantised_experts_reference(x, weights, ids, w13, s13, w2, s2, limit, weight_before_down, quant_input):
+    inter = w2.shape[2]
+    n_exp = w13.shape[0]
+    lin = lambda w, s: Linear(_dequant_rows(w, s), quant_input=quant_input)
+    w1 = [lin(w13[e, :inter], s13[e, :inter]) for e in range(n_exp)]
+    w3 = [lin(w13[e, inter:], s13[e, inter:]) for e in range(n_exp)]
+    w2l = [lin(w2[e], s2[e]) for e in range(n_exp)]
+    return moe_ref.experts_forward(x, weights, ids, w1, w2l, w3, limit, weight_before_down).float()
+
+
+@pytest.mark.parametrize("weight_before_down", [True, False])
+# the row classes of test_moe_experts_matches_reference: pair tiles, the layout, row tiles 16, 64, 128
+@pytest.mark.parametrize("t,top_k,n_exp", [(3, 2, 8), (6, 2, 16), (5, 3, 8), (40, 2, 4), (60, 2, 2)])
+def test_moe_experts_fp8_activations_match_quantised_reference(weight_before_down, t, top_k, n_exp):
+    """FP8 activations: the FP8 x FP8 kernels (x quantised per 32 inputs, the SwiGLU output
+    quantised in the gate/up epilogue) and the prefill path (FP8 round trips, bf16 GEMMs)
+    against the per-expert reference whose Linears quantise their inputs. x has values off the
+    FP8 grid (its quantisation rounds), the experts sum exactly in fp32 (`_exact_experts`)."""
+    d, inter, limit = 64, 96, 10.0
+    g = _gen(t * 10 + top_k + 500)
+    x = (torch.randint(-4, 5, (t, d), generator=g) * 0.25 + torch.randn(t, d, generator=g) * 0.01).bfloat16()
+    w13, s13, w2, s2 = _exact_experts(n_exp, d, inter, g)
+    scores = moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g))
+    weights, ids = moe_ref.route(scores, torch.zeros(n_exp), top_k, None, 1.5, True)
+    ref = _quantised_experts_reference(x, weights, ids, w13, s13, w2, s2, limit, weight_before_down, True)
+    plain = _quantised_experts_reference(x, weights, ids, w13, s13, w2, s2, limit, weight_before_down, False)
+    assert _rel_err(ref, plain) > 8 * BF16_REL  # the quantisation is visible at this tolerance
+    dev = [a.to(DEVICE) for a in (x, ids, weights, w13, s13, w2, s2)]
+    for kernel in (moe.moe_experts, moe.moe_experts_dense):
+        y = kernel(*dev, limit, weight_before_down, fp8_act=True)
+        assert y.dtype == torch.float32 and y.shape == (t, d)
+        if weight_before_down:
+            assert _rel_err(y, ref) <= 2 * BF16_REL, kernel.__name__
+        else:  # V4: the reference sums in bf16
+            assert (y.cpu() - ref).abs().max() <= 3 * BF16_REL * ref.abs().max(), kernel.__name__
 
 
 MOE_TILINGS = [  # (BLOCK_T, gate_up (BLOCK_N, BLOCK_K, STACK), down (BLOCK_N, BLOCK_K)), whole-wgmma tiles at 4 warps

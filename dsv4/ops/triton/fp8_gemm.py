@@ -26,6 +26,10 @@ have different limits:
   numerics, not HF's (which does not quantise activations): the error against the w8a16
   reference is that of one e4m3 rounding of x (about 2**-5 relative per element).
 
+`fp8_act_fake_quant` is that quantiser's round trip back to bf16 in one launch: the input of a
+projection under FP8 activations (`ModelConfig.fp8_activations`) whose GEMM stays one of the
+bf16 paths of `ops.linear.Linear`.
+
 `fp8_linear` picks one by the number of rows (`W8A8_MIN_ROWS`). The two paths differ
 numerically (and the FP8 path's autotuned tiles depend on the row count), so through the
 dispatcher a token's result depends on which path its batch took; callers that need
@@ -545,11 +549,12 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bo
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-    QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+    QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr, FAKE: tl.constexpr,
 ):
     """Rows x one QBLOCK column block: amax (>= 1e-4), exponent ceil(log2(amax / 448)) from the
     fp32 bits of amax * (1/448), codes = e4m3(x * 2**-exponent). A partial last block is
-    quantised over the columns it has."""
+    quantised over the columns it has. FAKE: store code * 2**exponent in x's dtype (exact in
+    bf16) and no scales."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * QBLOCK + tl.arange(0, QBLOCK)
     ok = (rows < M)[:, None] & (cols < K)[None, :]
@@ -559,8 +564,12 @@ def _act_quant_kernel(
     exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     inv = ((127 - exp) << 23).to(tl.float32, bitcast=True)
     v = tl.minimum(tl.maximum(x * inv[:, None], -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], round_to_e4m3(v).to(tl.float8e4nv), mask=ok)
-    tl.store(s_ptr + rows * stride_sm + tl.program_id(1), (exp + 127).to(tl.uint8), mask=rows < M)
+    if FAKE:
+        scale = ((exp + 127) << 23).to(tl.float32, bitcast=True)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], (round_to_e4m3(v) * scale[:, None]).to(q_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], round_to_e4m3(v).to(tl.float8e4nv), mask=ok)
+        tl.store(s_ptr + rows * stride_sm + tl.program_id(1), (exp + 127).to(tl.uint8), mask=rows < M)
 
 
 def fp8_act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -572,9 +581,25 @@ def fp8_act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     s = torch.empty(m, triton.cdiv(k, block), dtype=torch.uint8, device=x.device)
     rows = max(1, min(64, 4096 // block))
     _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, block))](
-        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), QBLOCK=block, BLOCK_R=rows, num_warps=4
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), QBLOCK=block, BLOCK_R=rows, FAKE=False, num_warps=4
     )
     return q, s
+
+
+def fp8_act_fake_quant(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x bf16 [..., K] -> its FP8 round trip in bf16 (`quant.fake_quant_act`), one launch: the
+    input of an FP8 projection under `fp8_activations` whose GEMM then runs in bf16."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != x2.shape[1]):
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    if m:
+        rows = max(1, min(64, 4096 // block))
+        _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, block))](
+            x2, out, out, m, k, x2.stride(0), out.stride(0), 0, QBLOCK=block, BLOCK_R=rows, FAKE=True, num_warps=4
+        )
+    return out.view(x.shape)
 
 
 def on_gpu() -> bool:

@@ -117,9 +117,9 @@ def _e2m1_value(code):
 
 
 @triton.jit
-def _fp8_quantise(x):
-    """Window KV blocks x [rows, blocks, block] -> (the e4m3 code values in fp32, the ue8m0
-    exponent per block)."""
+def fp8_quantise(x):
+    """FP8 blocks x [rows, blocks, block] (window KV; FP8 activations of the experts) -> (the
+    e4m3 code values in fp32, the ue8m0 exponent per block)."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
     exp = _pow2_ceil_exponent(amax * (1.0 / FP8_MAX))
     v = x * _pow2(-exp)[:, :, None]  # |v| <= 448 by the exponent's rounding up: no clamp needed
@@ -151,7 +151,7 @@ def _store_fp8_kernel(
     col = nb[None, :, None] * BLOCK + tl.arange(0, BLOCK)[None, None, :]
     ok = nb_ok[:, :, None]
     x = _load_fp32(x_ptr + rows[:, None, None] * stride_x + col, ok)
-    v, exp = _fp8_quantise(x)
+    v, exp = fp8_quantise(x)
     codes = codes_ptr + (i0 * stride_c0 + i1 * stride_c1)[:, None, None] + col
     tl.store(codes, v.to(tl.float8e4nv), mask=ok)
     scales = scales_ptr + (i0 * stride_s0 + i1 * stride_s1)[:, None] + nb[None, :]
@@ -200,7 +200,7 @@ def _round_trip_kernel(
     col = nb[None, :, None] * BLOCK + tl.arange(0, BLOCK)[None, None, :]
     x = _load_fp32(x_ptr + rows[:, None, None] * stride_x + col, ok)
     if FP8:
-        v, exp = _fp8_quantise(x)
+        v, exp = fp8_quantise(x)
         y = v * _pow2(exp)[:, :, None]
     else:
         q, _, scale = _fp4_quantise(x, tl.max(tl.abs(x), axis=2), E4M3_SCALE)

@@ -35,8 +35,11 @@ in ascending expert id (it ranks the token's slots itself, so the routing needs 
 atomics, and a token's rows never mix with other tokens' in any sum, so results change neither
 from run to run nor with the batch (batch invariance; no tile knob changes a row's bits).
 
-Activations stay bf16 (HF's numerics; no FP8 activation quantisation). Expert ids must be in
-[0, E) (no expert-parallel "not local" marker yet).
+Activations stay bf16 (HF's numerics), unless `fp8_act` (`ModelConfig.fp8_activations`,
+DeepSeek's reference numerics): then x and the SwiGLU output are quantised to FP8 per 32
+inputs and both GEMMs run FP8 x FP8 (`_gate_up_fp8_kernel`, `_down_fp8_kernel`: no weight
+dequantisation at all; each 32-input piece is one MMA scaled by its two exponents into fp32).
+Expert ids must be in [0, E) (no expert-parallel "not local" marker yet).
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import dequant_fp8, dequant_rows, dequant_words, ptx_convert, wgmma_tile_error
+from dsv4.ops.triton.fp8_gemm import (
+    dequant_fp8, dequant_rows, dequant_words, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, ptx_convert, wgmma_tile_error,
+)
+from dsv4.ops.triton.kv import fp8_quantise
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
 ALIGN_P_BLOCK = 512  # pairs per chunk of the layout kernel's passes
@@ -118,6 +124,26 @@ MOE = {
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
             "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
         }),
+    ),
+    # the FP8-activation kernels (`fp8_act`): the same classes; no dequantisation, so the
+    # per-piece product (an fp32 tile next to the accumulator) is what bounds the tiles: from 48
+    # pairs per expert the down tile is 64 rows and gate_up stacks (no spills on sm_90)
+    "fp8_rows": (
+        (1, {"BLOCK_T": 16,
+             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "STACK": True},
+             "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}}),
+        (4, {"BLOCK_T": 16,
+             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}}),
+        (16, {"BLOCK_T": 32,
+              "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "STACK": True},
+              "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}),
+        (48, {"BLOCK_T": 64,
+              "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
+              "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}),
+        (None, {"BLOCK_T": 128,
+                "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "STACK": True},
+                "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}}),
     ),
     "ALIGN_MAX_PAIRS": 4096,
     "PAIR_TILES_MAX_PAIRS": 8,
@@ -228,6 +254,32 @@ def _swiglu_rows_kernel(h_ptr, rw_ptr, act_ptr, P, I, stride_h, stride_act, limi
     tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act.to(tl.bfloat16), mask=ok)
 
 
+@triton.jit
+def _gate_up_rows(pid_n, I, BLOCK_N: tl.constexpr, STACK: tl.constexpr):
+    """-> (output channel rn, weight row) of each of a gate_up program's BLOCK_N rows. STACK:
+    row r is gate row pid_n * BLOCK_N / 2 + r for r < BLOCK_N / 2 and its up row after; else
+    BLOCK_N gate rows (the up rows are I further)."""
+    if STACK:  # (one return: Triton type-checks every return, taken or not)
+        r = tl.arange(0, BLOCK_N)
+        rn = pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2)
+        w_row = rn + (r >= BLOCK_N // 2).to(tl.int32) * I
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_row = rn
+    return rn, w_row
+
+
+@triton.jit
+def _gate_up_split(acc_gate, acc_up, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, STACK: tl.constexpr):
+    """The bf16 gate and up tiles of a gate_up program's accumulators (STACK: rows 0 ..
+    BLOCK_N / 2 - 1 of acc_gate hold gate, the rest up)."""
+    if STACK:
+        gate, up = tl.split(tl.permute(tl.reshape(acc_gate.to(tl.bfloat16), (2, BLOCK_N // 2, BLOCK_T)), (1, 2, 0)))
+    else:
+        gate, up = acc_gate.to(tl.bfloat16), acc_up.to(tl.bfloat16)
+    return gate, up
+
+
 @triton.jit(do_not_specialize=["n_pairs", "n_experts"])
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, rows_ptr, tile_expert_ptr, rw_ptr, act_ptr,
@@ -256,13 +308,7 @@ def _gate_up_kernel(
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = pair < n_pairs
     token = pair // TOPK
-    if STACK:  # row r: gate row pid_n * BLOCK_N / 2 + r for r < BLOCK_N / 2, its up row after
-        r = tl.arange(0, BLOCK_N)
-        rn = pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2)
-        w_row = rn + (r >= BLOCK_N // 2).to(tl.int32) * I
-    else:
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_row = rn
+    rn, w_row = _gate_up_rows(pid_n, I, BLOCK_N, STACK)
     n_ok = rn < I
     rp = tl.arange(0, _PIECE)
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
@@ -307,13 +353,10 @@ def _gate_up_kernel(
             acc_gate = tl.dot(wg, tl.trans(x), acc_gate)
             if not STACK:
                 acc_up = tl.dot(wu, tl.trans(x), acc_up)
-    if STACK:  # rows 0 .. BLOCK_N / 2 - 1 hold gate, the rest up: split them apart
-        both = tl.permute(tl.reshape(acc_gate.to(tl.bfloat16), (2, BLOCK_N // 2, BLOCK_T)), (1, 2, 0))
-        gate, up = tl.split(both)
+    gate, up = _gate_up_split(acc_gate, acc_up, BLOCK_N, BLOCK_T, STACK)
+    if STACK:  # one channel per gate row
         rn = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         n_ok = rn < I
-    else:
-        gate, up = acc_gate.to(tl.bfloat16), acc_up.to(tl.bfloat16)
     act = _swiglu(gate, up, limit, HAS_LIMIT)
     if WEIGHT_BEFORE_DOWN:
         act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[None, :]
@@ -374,6 +417,114 @@ def _down_kernel(
     tl.store(y_ptr + pair.to(tl.int64)[None, :] * stride_y + rn[:, None], y, mask=n_ok[:, None] & valid[None, :])
 
 
+@triton.jit(do_not_specialize=["n_pairs", "n_experts"])
+def _gate_up_fp8_kernel(
+    xq_ptr, xs_ptr, w_ptr, s_ptr, rows_ptr, tile_expert_ptr, rw_ptr, aq_ptr, as_ptr,
+    n_pairs, n_experts, D, I,
+    stride_xq, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_aq, stride_as,
+    limit,
+    TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PAIR_TILES: tl.constexpr, STACK: tl.constexpr, CH: tl.constexpr,
+):
+    """`_gate_up_kernel` under FP8 activations: x arrives quantised (FP8 codes xq, exponent
+    bytes xs per 32 inputs); each 32-input piece is one FP8 x FP8 MMA from zero, straight from
+    the weight's FP8 codes (no dequantisation), scaled by (weight row scale x token scale) into
+    the fp32 accumulator. The epilogue rounds the SwiGLU (times the routing weight) to bf16, as
+    the reference's down projection receives it, and quantises it per 32 channels of a pair
+    (the program's CH channels, BLOCK_N / 2 with STACK, are whole blocks): codes to aq,
+    exponent bytes to as."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES)  # int64: see _gate_up_kernel
+    if e >= n_experts:
+        return
+    offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = pair < n_pairs
+    token = pair // TOPK
+    rn, w_row = _gate_up_rows(pid_n, I, BLOCK_N, STACK)
+    n_ok = rn < I
+    rp = tl.arange(0, _PIECE)
+    x_rows = xq_ptr + token.to(tl.int64)[:, None] * stride_xq
+    xs_rows = xs_ptr + token.to(tl.int64) * stride_xs
+    gate_rows = w_ptr + e * stride_we + w_row[:, None] * stride_wn
+    up_rows = gate_rows + I * stride_wn  # (STACK: unused)
+    gate_scales = s_ptr + e * stride_se + w_row * stride_sn
+    up_scales = gate_scales + I * stride_sn
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // _PIECE):
+            k = k0 + j * _PIECE + rp
+            # a piece past D (not EVEN_K) reads zeros, and the row's last scales: it adds 0
+            kb = tl.minimum((k0 + j * _PIECE) // _PIECE, D // _PIECE - 1)
+            k_ok = (rp < _PIECE) if EVEN_K else (k < D)
+            x = tl.load(x_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            sx = e8m0_to_fp32(tl.load(xs_rows + kb, mask=valid, other=0))
+            wg = tl.load(gate_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            sg = e8m0_to_fp32(tl.load(gate_scales + kb, mask=n_ok, other=0))
+            acc_gate += tl.dot(wg, tl.trans(x)) * (sg[:, None] * sx[None, :])
+            if not STACK:
+                wu = tl.load(up_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                su = e8m0_to_fp32(tl.load(up_scales + kb, mask=n_ok, other=0))
+                acc_up += tl.dot(wu, tl.trans(x)) * (su[:, None] * sx[None, :])
+    gate, up = _gate_up_split(acc_gate, acc_up, BLOCK_N, BLOCK_T, STACK)
+    rc = pid_n * CH + tl.arange(0, CH)
+    act = _swiglu(gate, up, limit, HAS_LIMIT)
+    if WEIGHT_BEFORE_DOWN:
+        act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[None, :]
+    act = act.to(tl.bfloat16).to(tl.float32)  # [CH, BLOCK_T]
+    blocks = tl.permute(tl.reshape(act, (CH // _PIECE, _PIECE, BLOCK_T)), (2, 0, 1))  # [pairs, blocks, 32]
+    codes, exp = fp8_quantise(blocks)
+    out_rows = offs.to(tl.int64)[:, None]
+    tl.store(aq_ptr + out_rows * stride_aq + rc[None, :], tl.reshape(codes, (BLOCK_T, CH)).to(tl.float8e4nv),
+             mask=valid[:, None] & (rc < I)[None, :])
+    rb = pid_n * (CH // _PIECE) + tl.arange(0, CH // _PIECE)
+    tl.store(as_ptr + out_rows * stride_as + rb[None, :], (exp + 127).to(tl.uint8), mask=valid[:, None] & (rb < I // _PIECE)[None, :])
+
+
+@triton.jit(do_not_specialize=["n_pairs", "n_experts"])
+def _down_fp8_kernel(
+    aq_ptr, as_ptr, w_ptr, s_ptr, rows_ptr, tile_expert_ptr, rw_ptr, y_ptr,
+    n_pairs, n_experts, D, I,
+    stride_aq, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_y,
+    WEIGHT_BEFORE_DOWN: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PAIR_TILES: tl.constexpr,
+):
+    """`_down_kernel` under FP8 activations: the quantised activations of `_gate_up_fp8_kernel`
+    times the FP8 down weights, one FP8 x FP8 MMA per 32 inputs scaled into fp32."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES)
+    if e >= n_experts:
+        return
+    offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid = pair < n_pairs
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < D
+    rp = tl.arange(0, _PIECE)
+    a_rows = aq_ptr + offs.to(tl.int64)[:, None] * stride_aq
+    as_rows = as_ptr + offs.to(tl.int64) * stride_as
+    w_rows = w_ptr + e * stride_we + rn[:, None] * stride_wn
+    scales = s_ptr + e * stride_se + rn * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // _PIECE):
+            k = k0 + j * _PIECE + rp
+            kb = tl.minimum((k0 + j * _PIECE) // _PIECE, I // _PIECE - 1)  # as in _gate_up_fp8_kernel
+            k_ok = (rp < _PIECE) if EVEN_K else (k < I)
+            a = tl.load(a_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            sa = e8m0_to_fp32(tl.load(as_rows + kb, mask=valid, other=0))
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            sw = e8m0_to_fp32(tl.load(scales + kb, mask=n_ok, other=0))
+            acc += tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+    y = acc.to(tl.bfloat16)
+    if not WEIGHT_BEFORE_DOWN:
+        rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
+        y = (y.to(tl.float32) * rw[None, :]).to(tl.bfloat16)
+    tl.store(y_ptr + pair.to(tl.int64)[None, :] * stride_y + rn[:, None], y, mask=n_ok[:, None] & valid[None, :])
+
+
 @triton.jit
 def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
     """out[t] = ((0 + y[t, s_0]) + y[t, s_1]) + ... in fp32 (stored in out's dtype), s_0, s_1,
@@ -397,9 +548,10 @@ def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K
     tl.store(out_ptr + t * D + cols, total.to(out_ptr.dtype.element_ty), mask=ok)  # fp32, or rounded once to bf16
 
 
-def moe_config(pairs: int, experts: int) -> dict:
-    """The knobs of the first row class that holds the mean pairs per expert."""
-    for max_mean, cfg in MOE["rows"]:
+def moe_config(pairs: int, experts: int, fp8_act: bool = False) -> dict:
+    """The knobs of the first row class that holds the mean pairs per expert (of the FP8
+    kernels' table with `fp8_act`)."""
+    for max_mean, cfg in MOE["fp8_rows" if fp8_act else "rows"]:
         if max_mean is None or pairs <= max_mean * experts:
             return cfg
     raise ValueError("MOE['rows'] must end with a class for any load (max_mean None)")
@@ -466,7 +618,7 @@ def dense_fits(w13: torch.Tensor) -> bool:
 
 def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                       w2: torch.Tensor, w2_scale: torch.Tensor, limit: float, weight_before_down: bool,
-                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.float32, fp8_act: bool = False) -> torch.Tensor:
     """`moe_experts` for compute-bound loads (prefill): the same arguments, semantics and
     result, by bf16 grouped GEMMs (`torch._grouped_mm`, CUTLASS on sm_90: 87% of the bf16
     peak at 8K tokens on 65 experts, device run 2) over the experts dequantised exactly to
@@ -479,7 +631,9 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     the routing weight run in fp32 in one kernel and round to bf16, the down GEMM gives a bf16
     row per pair (in expert order), and kernel 3 sums a token's rows in ascending expert id in
     fp32, reading them through the inverse of the sort. Nothing
-    syncs with the host (CUDA-graph capturable). The experts must fit `dense_fits`."""
+    syncs with the host (CUDA-graph capturable). The experts must fit `dense_fits`.
+    `fp8_act`: x and the SwiGLU output take their FP8 round trip before their GEMMs (the
+    numerics of `moe_experts`' FP8 kernels, on bf16 tensor cores)."""
     _check_out_dtype("moe_experts_dense", out_dtype)
     t, topk = topk_ids.shape
     n_experts, two_i, d = w13.shape
@@ -493,6 +647,8 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     n_pairs = t * topk
     if n_pairs == 0:
         return torch.zeros(t, d, dtype=out_dtype, device=x.device)
+    if fp8_act:
+        x = fp8_act_fake_quant(x, SCALE_BLOCK)
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
     counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
@@ -508,6 +664,8 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         HAS_LIMIT=limit > 0, WEIGHTED=weight_before_down, BLOCK_P=block_p, BLOCK_I=block_i, num_warps=4,
     )
     del h
+    if fp8_act:
+        act = fp8_act_fake_quant(act, SCALE_BLOCK)
     g2 = dequant_fp8(w2.view(-1, inter), w2_scale.reshape(-1, inter // SCALE_BLOCK), 0, True).view(n_experts, d, inter)
     down = torch._grouped_mm(act, g2.transpose(1, 2), offs=offs)
     if not weight_before_down:
@@ -539,10 +697,13 @@ def moe_experts(
     limit: float,
     weight_before_down: bool,
     out_dtype: torch.dtype = torch.float32,
+    fp8_act: bool = False,
 ) -> torch.Tensor:
     """Routed experts of a flat batch -> fp32 [T, D] (see the module docstring), or with
     out_dtype bf16 that sum rounded once in the slot-sum kernel (V4.1's layer output: one
-    launch less than a cast after it)."""
+    launch less than a cast after it). `fp8_act`: FP8 activations (`ModelConfig.fp8_activations`):
+    x quantised per 32 inputs (`fp8_gemm.fp8_act_quant`), FP8 x FP8 GEMMs (`_gate_up_fp8_kernel`,
+    `_down_fp8_kernel`)."""
     _check_out_dtype("moe_experts", out_dtype)
     t, topk = topk_ids.shape
     n_experts, two_i, d = w13.shape
@@ -565,7 +726,7 @@ def moe_experts(
     x = x.contiguous()
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()  # pair p = token * k + slot, as the rows index it
-    cfg = moe_config(n_pairs, n_experts)
+    cfg = moe_config(n_pairs, n_experts, fp8_act)
     bt, gu, dn = cfg["BLOCK_T"], cfg["gate_up"], cfg["down"]
     if gu["BLOCK_K"] % SCALE_BLOCK or dn["BLOCK_K"] % SCALE_BLOCK:
         raise ValueError(f"moe_experts: BLOCK_K must be a multiple of {SCALE_BLOCK}")
@@ -578,11 +739,36 @@ def moe_experts(
     else:
         rows, tile_expert = align_by_expert(ids.view(-1), n_experts, bt)
     n_tiles = tile_expert.numel()
-    act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
-    ptx = ptx_convert(x.device)
     stack = gu.get("STACK", False)
-    _gate_up_kernel[(n_tiles, triton.cdiv(inter, gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"]))](
+    gate_up_grid = (n_tiles, triton.cdiv(inter, gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"]))
+    if fp8_act:
+        xq, xs = fp8_act_quant(x, SCALE_BLOCK)
+        act_q = torch.empty(n_tiles * bt, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        act_s = torch.empty(n_tiles * bt, inter // SCALE_BLOCK, dtype=torch.uint8, device=x.device)
+        _gate_up_fp8_kernel[gate_up_grid](
+            xq, xs, w13, w13_scale, rows, tile_expert, weights, act_q, act_s,
+            n_pairs, n_experts, d, inter,
+            xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            act_q.stride(0), act_s.stride(0),
+            float(limit),
+            TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
+            BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0,
+            PAIR_TILES=pair_tiles, STACK=stack, CH=gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"],
+            num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        )
+        _down_fp8_kernel[(n_tiles, triton.cdiv(d, dn["BLOCK_N"]))](
+            act_q, act_s, w2, w2_scale, rows, tile_expert, weights, y,
+            n_pairs, n_experts, d, inter,
+            act_q.stride(0), act_s.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
+            WEIGHT_BEFORE_DOWN=weight_before_down,
+            BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PAIR_TILES=pair_tiles,
+            num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+        )
+        return _slot_sums(y, ids, out_dtype)
+    act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
+    ptx = ptx_convert(x.device)
+    _gate_up_kernel[gate_up_grid](
         x, w13, w13_scale, rows, tile_expert, weights, act,
         n_pairs, n_experts, d, inter,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
