@@ -30,11 +30,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="build and launch each step before the previous step's sampled tokens reach the host, so the host's "
                         "work overlaps the GPU's (default: on where steps replay CUDA graphs)")
+    p.add_argument("--fp8-activations", action=argparse.BooleanOptionalAction, default=False,
+                   help="quantise the inputs of the FP8/FP4 GEMMs to FP8 per 32 columns, as DeepSeek's reference does "
+                        "(V4.1; FP8 x FP8 expert GEMMs on the fast path); default off: HF's numerics (the golden data)")
 
 
 ENGINE_KEYS = ("device", "dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching",
                "swa_bounded_replay", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "max_model_len",
-               "max_prefix_loads_per_step", "seed", "enforce_eager", "fast_path", "async_scheduling")
+               "max_prefix_loads_per_step", "seed", "enforce_eager", "fast_path", "async_scheduling", "fp8_activations")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

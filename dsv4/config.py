@@ -122,6 +122,11 @@ class ModelConfig:
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 0
     dspark_num_experts_per_tok: int = 0
+    # numerics, chosen by the engine (not read from config.json): quantise the input of every
+    # GEMM over FP8/FP4 checkpoint weights to FP8 per 32 columns, as DeepSeek's reference (and
+    # the checkpoint's `activation_scheme: dynamic`) do; False: HF's unquantised inputs, the
+    # golden data's numerics
+    fp8_activations: bool = False
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ----------------------------------------------------------------------------- derived
@@ -494,6 +499,9 @@ class EngineConfig:
     # build and launch step N+1 before reading step N's sampled tokens (vLLM's --async-scheduling);
     # None: on where steps replay CUDA graphs (the fast path on CUDA without enforce_eager)
     async_scheduling: bool | None = None
+    # FP8-quantised inputs of the FP8/FP4 GEMMs (`ModelConfig.fp8_activations`, DeepSeek's
+    # reference numerics); off: HF's numerics, which the golden data holds
+    fp8_activations: bool = False
 
     def __post_init__(self) -> None:
         def fail(field_name: str, expected: str, got) -> None:
@@ -523,6 +531,8 @@ class EngineConfig:
             fail("enforce_eager", "a bool", self.enforce_eager)
         if self.fast_path is not None and not isinstance(self.fast_path, bool):
             fail("fast_path", "True, False or None", self.fast_path)
+        if not isinstance(self.fp8_activations, bool):
+            fail("fp8_activations", "a bool", self.fp8_activations)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             fail("async_scheduling", "True, False or None", self.async_scheduling)
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import statistics
@@ -338,6 +339,7 @@ class BenchOptions:
     breakdown: bool = True  # one step per case timed section by section (dsv4.model.sections)
     cuda_graphs: bool = True  # decode-shaped cases on the fast path: time CUDA-graph replays too
     fast_path: bool | None = None  # None: where it can run (CUDA, bf16, V4.1); True on CPU runs its torch references
+    fp8_activations: bool = False  # both paths quantise their FP8/FP4 GEMM inputs (ModelConfig.fp8_activations)
     seed: int = 0
 
 
@@ -447,6 +449,10 @@ def run_bench(opts: BenchOptions, case_texts: list[str], console: Console | None
     if opts.warmup < 0 or opts.iters < 1:
         raise BenchError("--warmup must be >= 0 and --iters >= 1")
     cfg = bench_config(opts.config, num_layers=opts.num_layers, num_experts=opts.num_experts, engram_rows=opts.engram_rows)
+    if opts.fp8_activations:
+        if cfg.arch != "v41":
+            raise BenchError("--fp8-activations: V4.1 configs only")
+        cfg = dataclasses.replace(cfg, fp8_activations=True)
     if opts.block_size < 1 or any(opts.block_size % r for r in cfg.compress_ratio_set):
         raise BenchError(f"--block-size must be a positive multiple of every compress ratio {list(cfg.compress_ratio_set)}, got {opts.block_size}")
     cases = parse_cases(case_texts)
@@ -512,7 +518,9 @@ def run_bench(opts: BenchOptions, case_texts: list[str], console: Console | None
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "fast_path": ("compact FP8 weights" if compact else "dequantised weights") + (", fast path" if fast_on else ", reference ops")
-        + (", CUDA graphs (decode buckets, piecewise prefill)" if fast_on and compact and opts.cuda_graphs else ""),
+        + (", CUDA graphs (decode buckets, piecewise prefill)" if fast_on and compact and opts.cuda_graphs else "")
+        + (", FP8 activations" if opts.fp8_activations else ""),
+        "fp8_activations": opts.fp8_activations,
         "block_size": opts.block_size,
         "bounded_replay": opts.bounded_replay,
         "warmup": opts.warmup,
@@ -594,6 +602,8 @@ def register_forward(subparsers) -> None:
     p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True, help="time one step per case section by section (the time by component)")
     p.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None, help="the fast path (default: where it can run: CUDA, bfloat16, V4.1; on CPU it runs its torch references)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="cases on the fast path: also time them as CUDA-graph replays (the step time): decode-shaped ones in one graph, others in the two pieces of dsv4.engine.cuda_graphs.PiecewiseGraphs")
+    p.add_argument("--fp8-activations", action=argparse.BooleanOptionalAction, default=False,
+                   help="quantise the inputs of FP8/FP4 GEMMs to FP8 (DeepSeek's reference numerics; FP8 x FP8 expert GEMMs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the results here")
     p.set_defaults(func=forward_main)
@@ -604,7 +614,8 @@ def forward_main(args) -> int:
     opts = BenchOptions(
         config=args.config, num_layers=args.num_layers, num_experts=args.num_experts, engram_rows=args.engram_rows,
         dtype=args.dtype, device=args.device, block_size=args.block_size, bounded_replay=args.swa_bounded_replay,
-        warmup=args.warmup, iters=args.iters, baseline=args.baseline, breakdown=args.breakdown, cuda_graphs=args.cuda_graphs, fast_path=args.fast_path, seed=args.seed,
+        warmup=args.warmup, iters=args.iters, baseline=args.baseline, breakdown=args.breakdown, cuda_graphs=args.cuda_graphs, fast_path=args.fast_path,
+        fp8_activations=args.fp8_activations, seed=args.seed,
     )
     try:
         doc = run_bench(opts, args.cases, console)

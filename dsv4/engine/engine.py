@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def _kv_budget(cfg: EngineConfig, device: torch.device) -> int:
 class LLMEngine:
     def __init__(self, model_dir: str | Path, *, progress: bool = True, **options):
         self.engine_config = cfg = EngineConfig(**options)
-        self.model_config = mcfg = load_config(model_dir)
+        self.model_config = mcfg = dataclasses.replace(load_config(model_dir), fp8_activations=cfg.fp8_activations)
         self.device = torch.device(cfg.device)
         dtype = cfg.torch_dtype
         self.tokenizer = load_tokenizer(model_dir)

@@ -91,8 +91,8 @@ class MTPDraft:
         p, b = "mtp.0.", cfg.weight_block_size
         self.role = _stage_role(cfg, 0)
         self.block = Block(weights, p, cfg, self.role, rope, cfg.n_routed_experts, cfg.num_experts_per_tok)
-        self.e_proj = Linear(weights[p + "e_proj.weight"], weights.get(p + "e_proj.scale"), b)
-        self.h_proj = Linear(weights[p + "h_proj.weight"], weights.get(p + "h_proj.scale"), b)
+        self.e_proj = Linear(weights[p + "e_proj.weight"], weights.get(p + "e_proj.scale"), b, quant_input=cfg.fp8_activations)
+        self.h_proj = Linear(weights[p + "h_proj.weight"], weights.get(p + "h_proj.scale"), b, quant_input=cfg.fp8_activations)
         self.enorm, self.hnorm, self.norm = (weights[f"{p}{n}.weight"] for n in ("enorm", "hnorm", "norm"))
         self.hc_head = (weights[p + "hc_head_fn"], weights[p + "hc_head_base"], weights[p + "hc_head_scale"])
         self.embed, self.head = weights["embed.weight"], weights["head.weight"]
@@ -152,7 +152,7 @@ class DSparkDraft:
             Block(weights, f"mtp.{k}.", cfg, _stage_role(cfg, k), rope, cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok)
             for k in range(n)
         ]
-        self.main_proj = Linear(weights["mtp.0.main_proj.weight"], weights.get("mtp.0.main_proj.scale"), b)
+        self.main_proj = Linear(weights["mtp.0.main_proj.weight"], weights.get("mtp.0.main_proj.scale"), b, quant_input=cfg.fp8_activations)
         self.main_norm = weights["mtp.0.main_norm.weight"]
         last = f"mtp.{n - 1}."
         self.norm = weights[last + "norm.weight"]

@@ -100,6 +100,9 @@ class Model:
     def __init__(self, cfg: ModelConfig, weights: dict, *, dtype: torch.dtype, device="cpu", token_map: torch.Tensor | None = None, fast_path: bool | None = None):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.v41 = cfg.arch == "v41"
+        if cfg.fp8_activations and not self.v41:
+            raise ValueError("fp8_activations: supported for V4.1 only (its GEMM inputs are quantised per 32 columns; V4's "
+                             "reference blocks are not specified here)")
         why = fast_path_unsupported(cfg)
         if fast_path is None:
             fast_path = why is None and self.device.type == "cuda" and dtype == torch.bfloat16

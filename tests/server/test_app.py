@@ -306,13 +306,13 @@ def test_serve_flags():
         "--seed": ("3", 3),
     }
     argv = ["serve", "--model", "m", "--served-model-name", "x", "--api-key", "k", "--port", "9000"]
-    argv += ["--no-enable-prefix-caching", "--no-swa-bounded-replay", "--enforce-eager", "--no-fast-path", "--async-scheduling"]
+    argv += ["--no-enable-prefix-caching", "--no-swa-bounded-replay", "--enforce-eager", "--no-fast-path", "--async-scheduling", "--fp8-activations"]
     for flag, (text, _) in given.items():
         argv += [flag, text]
     args = parser.parse_args(argv)
     options = engine_options(args)
     expected = {flag[2:].replace("-", "_"): value for flag, (_, value) in given.items()}
     assert options == {**expected, "enable_prefix_caching": False, "swa_bounded_replay": False, "enforce_eager": True, "fast_path": False,
-                       "async_scheduling": True}
+                       "async_scheduling": True, "fp8_activations": True}
     assert set(options) == {f.name for f in dataclasses.fields(EngineConfig)}
     assert (args.served_model_name, args.api_key, args.port) == ("x", "k", 9000)

@@ -201,8 +201,9 @@ def _no_entries(cache: KVCacheStorage) -> QTensor:
                    scales=torch.zeros(1, 1, d // 16, dtype=torch.float8_e4m3fn, device=cache.device))
 
 
-def _proj(w: dict, name: str, block: int) -> Linear:
-    return Linear(w[f"{name}.weight"], w.get(f"{name}.scale"), block)
+def _proj(w: dict, name: str, cfg: ModelConfig) -> Linear:
+    """An FP8 projection of the checkpoint (its input quantised under `cfg.fp8_activations`)."""
+    return Linear(w[f"{name}.weight"], w.get(f"{name}.scale"), cfg.weight_block_size, quant_input=cfg.fp8_activations)
 
 
 def _groups(wo_a: Linear, groups: int, block: int) -> list[Linear]:
@@ -212,8 +213,9 @@ def _groups(wo_a: Linear, groups: int, block: int) -> list[Linear]:
     rows = wo_a.out_features // groups
     if wo_a.scale is not None and rows % block == 0:
         t = rows // block
-        return [Linear(wo_a.weight[g * rows : (g + 1) * rows], wo_a.scale[g * t : (g + 1) * t], block) for g in range(groups)]
-    return [Linear(part) for part in wo_a.dense(wo_a.weight.dtype if wo_a.scale is None else torch.float32).split(rows)]
+        return [Linear(wo_a.weight[g * rows : (g + 1) * rows], wo_a.scale[g * t : (g + 1) * t], block, quant_input=wo_a.quant_input)
+                for g in range(groups)]
+    return [Linear(part, quant_input=wo_a.quant_input) for part in wo_a.dense(wo_a.weight.dtype if wo_a.scale is None else torch.float32).split(rows)]
 
 
 class Compressor:
@@ -335,9 +337,9 @@ class Attention:
         self.cfg, self.role, self.rope = cfg, role, rope
         self.v41 = cfg.arch == "v41"
         b = cfg.weight_block_size
-        self.wq_a, self.wq_b = _proj(w, p + "wq_a", b), _proj(w, p + "wq_b", b)
-        self.wkv = _proj(w, p + "wkv", b)
-        self.wo_a, self.wo_b = _proj(w, p + "wo_a", b), _proj(w, p + "wo_b", b)
+        self.wq_a, self.wq_b = _proj(w, p + "wq_a", cfg), _proj(w, p + "wq_b", cfg)
+        self.wkv = _proj(w, p + "wkv", cfg)
+        self.wo_a, self.wo_b = _proj(w, p + "wo_a", cfg), _proj(w, p + "wo_b", cfg)
         self.wo_a_groups = _groups(self.wo_a, cfg.o_groups, b)
         self.q_norm, self.kv_norm = w[p + "q_norm.weight"], w[p + "kv_norm.weight"]
         self.sink = w[p + "attn_sink"]
@@ -351,7 +353,7 @@ class Attention:
             elif role.kind == "csa":
                 self.index_compressor = Compressor(w, p + "indexer.compressor.", cfg, r, cfg.index_head_dim, True, "idx")
         if role.runs_indexer:
-            self.idx_wq_b = _proj(w, p + "indexer.wq_b", b)
+            self.idx_wq_b = _proj(w, p + "indexer.wq_b", cfg)
             self.idx_weights = w[p + "indexer.weights_proj.weight"]
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ class Engram:
     def __init__(self, w: dict, prefix: str, cfg: ModelConfig):
         self.cfg = cfg
         self.table, self.table_scale = w[prefix + "embed.weight"], w[prefix + "embed.scale"]
-        self.wkv = Linear(w[prefix + "wkv.weight"], w.get(prefix + "wkv.scale"), cfg.weight_block_size)
+        self.wkv = Linear(w[prefix + "wkv.weight"], w.get(prefix + "wkv.scale"), cfg.weight_block_size, quant_input=cfg.fp8_activations)
         self.gate_weight = w[prefix + "q_weight"].float() * w[prefix + "k_weight"].float()
 
     def __call__(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:

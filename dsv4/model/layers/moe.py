@@ -44,7 +44,7 @@ class MoE:
         self.tid2eid = w[prefix + "gate.tid2eid"].long() if hash_moe else None
 
         def lin(name, row_scales=False):
-            return Linear(w[name + ".weight"], w.get(name + ".scale"), b, row_scales)
+            return Linear(w[name + ".weight"], w.get(name + ".scale"), b, row_scales, quant_input=cfg.fp8_activations)
 
         # routed experts arrive FP4-converted-to-FP8 with a scale per 32 inputs when compact
         w1 = [lin(f"{prefix}experts.{e}.w1", True) for e in range(n_experts)]
@@ -80,7 +80,7 @@ class MoE:
             return self.experts
         w13, s13, w2, s2 = self.grouped
         inter = w13.shape[1] // 2
-        rows = lambda w, s: [Linear(w[e], s[e], 0, True) for e in range(w.shape[0])]
+        rows = lambda w, s: [Linear(w[e], s[e], 0, True, quant_input=self.cfg.fp8_activations) for e in range(w.shape[0])]
         return rows(w13[:, :inter], s13[:, :inter]), rows(w2, s2), rows(w13[:, inter:], s13[:, inter:])
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, trace: dict | None = None, tag: str = "") -> torch.Tensor:
@@ -107,7 +107,7 @@ class MoE:
             # with the shared expert in the stack the sum is the layer's output: rounded to the
             # activation dtype in the kernel
             out_dtype = x.dtype if self.shared_in_grouped else torch.float32
-            routed = grouped(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41, out_dtype)
+            routed = grouped(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41, out_dtype, fp8_act=cfg.fp8_activations)
         else:
             routed = moe_ops.experts_forward(x, weights, indices, *self._unstacked(), cfg.swiglu_limit, self.v41)
         if self.shared_in_grouped:
