@@ -64,6 +64,7 @@ TOLERANCE = {
     "hash_ids": 0.0, "lookup": 0.0, "gate": 1e-2,
     # compact FP8 weights only run on the GPU (CPU runs load dequantised weights)
     "fp8_linear_w8a16": 1e-2, "moe_experts": 2e-2, "moe_experts_dense": 2e-2,
+    "fp8_act_fake_quant": 0.0,  # --fp8-activations only
     "route_scores": 1e-5,  # the same experts (else inf); weights to fp32 rounding of the logits (summed in another order than cuBLAS's)
     "compress_entries": 1e-2,  # the norm's sum of squares in another order (as rms_norm); cache bytes: their share
     "linear_fp32": 1e-5,  # the compressor's fp32 projections: fp32 sums in another order
@@ -197,6 +198,7 @@ def install(checker: Checker) -> None:
     c.wrap(t_engram, "gate", lambda streams, kv_rows, weight, eps: _gate_reference(streams, kv_rows, weight, eps))
     c.wrap(fp8_gemm, "fp8_linear_w8a16", _w8a16_reference)
     c.wrap(triton_ops, "fp8_linear_w8a16", _w8a16_reference)
+    c.wrap(fp8_gemm, "fp8_act_fake_quant", lambda x, block: quant.fake_quant_act(x, block))
     c.wrap(triton_ops, "moe_experts", _moe_reference)
     c.wrap(triton_ops, "moe_experts_dense", _moe_reference)
     c.wrap(attention_layer, "linear_fp32", lambda x, w: linear(x.float(), w))
@@ -211,10 +213,11 @@ def _w8a16_reference(x, w, s, block, groups=1):
     return torch.cat([linear(x[..., g * k : (g + 1) * k], dense[g * n : (g + 1) * n]) for g in range(groups)], dim=-1)
 
 
-def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down, out_dtype=torch.float32):
-    """The per-expert torch loop on the same FP8 experts, dequantised (dsv4.ops.moe)."""
+def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down, out_dtype=torch.float32, fp8_act=False):
+    """The per-expert torch loop on the same FP8 experts, dequantised (dsv4.ops.moe); with
+    fp8_act its Linears quantise their inputs."""
     inter = w13.shape[1] // 2
-    rows = lambda w, s: [Linear(w[e], s[e], 0, row_scales=True) for e in range(w.shape[0])]
+    rows = lambda w, s: [Linear(w[e], s[e], 0, row_scales=True, quant_input=fp8_act) for e in range(w.shape[0])]
     return experts_forward(x, weights, ids, rows(w13[:, :inter], s13[:, :inter]), rows(w2, s2), rows(w13[:, inter:], s13[:, inter:]),
                            limit, weight_before_down).float().to(out_dtype)
 
@@ -252,6 +255,7 @@ def main() -> int:
     parser.add_argument("folder", help="a golden set (V4.1), e.g. ../shared/golden/v41-tiny-a")
     parser.add_argument("--prompts", default="1,3", help="golden prompt indices")
     parser.add_argument("--steps", type=int, default=2, help="greedy decode steps after the prompts")
+    parser.add_argument("--fp8-activations", action="store_true", help="run the model with FP8 activations")
     args = parser.parse_args()
     ref = load_file(Path(args.folder) / "golden.safetensors")
     prompts = [ref[f"prompt{int(i)}.input_ids"].tolist() for i in args.prompts.split(",")]
@@ -262,7 +266,7 @@ def main() -> int:
     # prompts take it (the decode steps still take the grouped kernels)
     moe_layer.DENSE_EXPERT_PAIRS = 8
     llm = LLM(args.folder, device=device, dtype="bfloat16", fast_path=True, block_size=16, kv_cache_memory=64 << 20,
-              max_num_seqs=4, max_model_len=256, swa_bounded_replay=False, enforce_eager=True)
+              max_num_seqs=4, max_model_len=256, swa_bounded_replay=False, enforce_eager=True, fp8_activations=args.fp8_activations)
     llm.prompt_logits(prompts)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True), use_tqdm=False)
     failed = False

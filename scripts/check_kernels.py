@@ -305,6 +305,22 @@ def moe_case(t: int, data: tuple, dense: tuple) -> None:
         record("moe_experts", case, "dense_grouped", ok=err <= 4 * 2**-8, err=err, experts_used=used, **perf(t_d, w_bytes + io, flops, "bf16"))
     t_r = median_time(lambda: moe_ref.experts_forward(xt, wt, it, w1, w2l, w3, 10.0, True), reps=5, warmup=1)
     record("moe_experts", case, "torch_bf16", experts_used=used, **perf(t_r, 2 * w_bytes + io, flops, "bf16"))
+    # FP8 activations (FP8 x FP8 kernels) against the reference whose Linears quantise their inputs
+    from dsv4.ops.linear import Linear
+
+    quantised = [[Linear(lin.weight, quant_input=True) for lin in part] for part in dense]
+    ref8 = moe_ref.experts_forward(xt, wt, it, *quantised, 10.0, True).float()
+    err = norm_err(moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True, fp8_act=True), ref8)
+    t_8 = median_time(lambda: moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True, fp8_act=True), reps=10)
+    record("moe_experts", case, "triton_fp8act", ok=err <= 4 * 2**-8, err=err, vs_bf16_ref=norm_err(ref8, ref), experts_used=used,
+           **perf(t_8, w_bytes + io, flops, "fp8"))
+    if t <= max(SWEEP_TOKENS):
+        calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True, fp8_act=True)
+                 for ids, wts in moe_routings(t, e, seed=t)]
+        record("moe_experts", case, "triton_fp8act_graph", experts_used=used, **perf(graph_time(calls, reps=5), w_bytes + io, flops, "fp8"))
+    if t >= 256 and moe.dense_fits(w13):
+        err = norm_err(moe.moe_experts_dense(xt, it, wt, w13, s13, w2, s2, 10.0, True, fp8_act=True), ref8)
+        record("moe_experts", case, "dense_grouped_fp8act", ok=err <= 4 * 2**-8, err=err, experts_used=used)
 
 
 # tokens of the prefill-regime comparison: the 64-expert benchmark layer (65 with the shared
@@ -468,6 +484,9 @@ if os.environ.get("SWEEP_ROWS"):
     SWEEP_ROWS = tuple(int(m) for m in os.environ["SWEEP_ROWS"].split(","))
 if os.environ.get("SWEEP_MOE"):
     SWEEP_MOE = tuple((int(e), tuple(int(t) for t in ts.split(","))) for e, ts in (part.split(":") for part in os.environ["SWEEP_MOE"].split(";")))
+# SWEEP_FP8=1: the MoE sweep times the FP8-activation kernels (moe_experts(fp8_act=True), their
+# table MOE["fp8_rows"]) against the reference that quantises its inputs
+SWEEP_FP8 = os.environ.get("SWEEP_FP8") == "1"
 SWEEP_WORKERS = 8
 SWEEP_ROUTINGS = 4  # MoE calls per graph, each with its own routing
 ROTATE_BYTES = 192 << 20  # weight bytes the calls of one graph cycle through (> 3x the L2)
@@ -699,7 +718,7 @@ class LazyExperts:
         from dsv4.ops.linear import Linear
 
         w, s = self.w[e, self.rows], self.s[e, self.rows]
-        return Linear((w.float() * torch.exp2(s.float() - 127).repeat_interleave(32, -1)).bfloat16())
+        return Linear((w.float() * torch.exp2(s.float() - 127).repeat_interleave(32, -1)).bfloat16(), quant_input=SWEEP_FP8)
 
 
 def moe_candidates(pairs: int, experts: int) -> list[dict]:
@@ -712,9 +731,11 @@ def moe_candidates(pairs: int, experts: int) -> list[dict]:
     def make(bt, gu, dn):
         return {"BLOCK_T": bt, "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK"), gu)), "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), dn))}
 
-    default = moe.moe_config(pairs, experts)
+    default = moe.moe_config(pairs, experts, SWEEP_FP8)
     bt = default["BLOCK_T"]
-    cands = [{"cfg": default, "knobs": {}}, {"cfg": default, "knobs": {"DEQUANT": "bytes", "PAIR_TILES_MAX_PAIRS": 0}}]
+    cands = [{"cfg": default, "knobs": {}}]
+    if not SWEEP_FP8:  # (the FP8 kernels have no byte path)
+        cands.append({"cfg": default, "knobs": {"DEQUANT": "bytes", "PAIR_TILES_MAX_PAIRS": 0}})
     if pairs <= moe.MOE["PAIR_TILES_MAX_PAIRS"]:
         cands.append({"cfg": default, "knobs": {"PAIR_TILES_MAX_PAIRS": 0}})
     elif pairs <= 64:
@@ -735,7 +756,7 @@ class moe_knobs:
         from dsv4.ops.triton import moe
 
         self.saved = dict(moe.MOE)
-        moe.MOE.update(self.cand["knobs"], rows=((None, self.cand["cfg"]),))
+        moe.MOE.update(self.cand["knobs"], **{"fp8_rows" if SWEEP_FP8 else "rows": ((None, self.cand["cfg"]),)})
         return self
 
     def __exit__(self, *exc):
@@ -781,17 +802,17 @@ def sweep_moe_experts(experts: int, tokens: tuple, data: tuple) -> None:
         for cand in moe_candidates(t * k, experts):
             try:
                 with moe_knobs(cand):
-                    y = moe.moe_experts(xt, ids0, wts0, w13, s13, w2, s2, 10.0, True)
+                    y = moe.moe_experts(xt, ids0, wts0, w13, s13, w2, s2, 10.0, True, fp8_act=SWEEP_FP8)
                     err = norm_err(y[:probe], ref)
                     first = y if first is None else first
-                    calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in routings]
+                    calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True, fp8_act=SWEEP_FP8) for ids, wts in routings]
                     rows.append(dict(label=moe_label(cand), err=err, same_bits=torch.equal(y, first), ok=err <= 4 * 2**-8, **perf(graph_time(calls, reps=5), nbytes, flops, "bf16")))
                 SWEEP_RESULTS.append(dict(kind="moe", shape=experts, m=t, k=k, cand=cand, **rows[-1]))
             except Exception as exc:  # noqa: BLE001 - one failing candidate does not stop the sweep
                 rows.append(dict(label=moe_label(cand), error=f"{type(exc).__name__}: {exc}"[:300], ok=False))
-        report_sweep(case, rows)
+        report_sweep(case + (" fp8-act" if SWEEP_FP8 else ""), rows)
         old = rows[1]
-        if "ms" in old:
+        if "ms" in old and not SWEEP_FP8:
             keep = ("ms", "tb_s", "tflop_s", "floor_ms", "of_floor", "bytes", "flops", "peak", "err")
             record("gemm_sweep", case, "old (bytes, layout)", ok=old["ok"], same_bits=old["same_bits"], **{key: old[key] for key in keep})
 
@@ -830,8 +851,8 @@ def suggested_knobs() -> str:
             best = max(full, key=full.get)
             parts.append(f"W8A16 CHUNKS[{shape}]={best} ({full[default]:.0%}->{full[best]:.0%})")
     moes = [r for r in SWEEP_RESULTS if r["kind"] == "moe"]
-    for c, (cand, frac) in sorted(best_tiles(moes, lambda r: moe.moe_config(r["m"] * r["k"], r["shape"])["BLOCK_T"]).items()):
-        parts.append(f"MOE rows(T{c} class) {moe_label(cand)} ({frac:.0%})")
+    for c, (cand, frac) in sorted(best_tiles(moes, lambda r: moe.moe_config(r["m"] * r["k"], r["shape"], SWEEP_FP8)["BLOCK_T"]).items()):
+        parts.append(f"MOE {'fp8_rows' if SWEEP_FP8 else 'rows'}(T{c} class) {moe_label(cand)} ({frac:.0%})")
     return "; ".join(parts)
 
 
@@ -874,7 +895,8 @@ def sweep_warm(index: int, count: int, kinds: tuple[str, ...] = ("w8a16", "moe")
                                torch.zeros(64, 5120, 2304, dtype=torch.float8_e4m3fn, device="cuda"), torch.full((64, 5120, 72), 120, dtype=torch.uint8, device="cuda"))
                 with moe_knobs(cand):
                     ids = torch.randint(0, 64, (t, 7), device="cuda")
-                    moe.moe_experts(torch.zeros(t, 5120, device="cuda", dtype=torch.bfloat16), ids, torch.ones(t, 7, device="cuda"), *experts, 10.0, True)
+                    moe.moe_experts(torch.zeros(t, 5120, device="cuda", dtype=torch.bfloat16), ids, torch.ones(t, 7, device="cuda"), *experts, 10.0, True,
+                                    fp8_act=SWEEP_FP8)
                     if t * 7 > moe.MOE["PAIR_TILES_MAX_PAIRS"]:
                         moe.align_by_expert(torch.randint(0, e, (t * 7,), device="cuda"), e, cand["cfg"]["BLOCK_T"])
         except Exception:  # noqa: BLE001 - the main process meets and reports the same failure
@@ -2009,8 +2031,10 @@ def compile_targets() -> list[tuple]:
                 # every row class on wgmma: the batch-invariance contract (fp8_gemm.W8A16)
                 out.append((label, fp8_gemm._w8a16_kernel, w8a16, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, "wgmma"))
     act = {"x_ptr": "*bf16:16", "q_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "M": i, "K": a, "stride_xm": a, "stride_qm": a, "stride_sm": a}
+    act_fake = dict(act, q_ptr="*bf16:16", s_ptr="*u8", stride_sm=i)  # the round trip to bf16 (fp8_act_fake_quant)
     for block in (32, 128):
-        out.append((f"act quant b={block}", fp8_gemm._act_quant_kernel, act, {"QBLOCK": block, "BLOCK_R": min(64, 4096 // block)}, {"num_warps": 4}))
+        out.append((f"act quant b={block}", fp8_gemm._act_quant_kernel, act, {"QBLOCK": block, "BLOCK_R": min(64, 4096 // block), "FAKE": False}, {"num_warps": 4}))
+    out.append(("act fake quant b=32", fp8_gemm._act_quant_kernel, act_fake, {"QBLOCK": 32, "BLOCK_R": 64, "FAKE": True}, {"num_warps": 4}))
     w8a8 = {
         "a_ptr": "*fp8e4nv:16", "as_ptr": "*u8:16", "w_ptr": "*fp8e4nv:16", "ws_ptr": "*u8:16", "out_ptr": "*bf16:16",
         "M": i, "N": a, "K": a, "ROW_CLASS": i, "stride_am": a, "stride_asm": a, "stride_wn": a, "stride_wsn": a, "stride_om": a,
@@ -2053,6 +2077,21 @@ def compile_targets() -> list[tuple]:
                   "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True}
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
         out.append((label, moe._gate_up_kernel, gate_up, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
+    # the FP8-activation kernels (fp8_act), every row class
+    fp8_common = {k: v for k, v in common.items()}
+    gate_up8 = dict(fp8_common, xq_ptr="*fp8e4nv:16", xs_ptr="*u8:16", aq_ptr="*fp8e4nv:16", as_ptr="*u8", stride_xq=a, stride_xs=i,
+                    stride_aq=a, stride_as=i, limit=f)
+    down8 = dict(fp8_common, aq_ptr="*fp8e4nv:16", as_ptr="*u8", y_ptr="*bf16:16", stride_aq=a, stride_as=i, stride_y=a)
+    for max_mean, cfg in moe.MOE["fp8_rows"]:
+        for pair_tiles in ((False, True) if max_mean == first else (False,)):
+            for name, kernel, types, part in (("gate_up", moe._gate_up_fp8_kernel, gate_up8, cfg["gate_up"]), ("down", moe._down_fp8_kernel, down8, cfg["down"])):
+                consts = {"WEIGHT_BEFORE_DOWN": True, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True,
+                          "PAIR_TILES": pair_tiles}
+                if name == "gate_up":
+                    stack = part.get("STACK", False)
+                    consts.update(TOPK=7, HAS_LIMIT=True, STACK=stack, CH=part["BLOCK_N"] // 2 if stack else part["BLOCK_N"])
+                label = f"moe fp8-act {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']}{' pair-tiles' if pair_tiles else ''}"
+                out.append((label, kernel, types, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     align = {"ids_ptr": "*i64:16", "rows_ptr": "*i32:16", "tile_expert_ptr": "*i32:16", "n_pairs": i, "n_experts": i, "n_tiles": i}
     for e_block in (128, 512):
         bt = moe.MOE["rows"][0][1]["BLOCK_T"]

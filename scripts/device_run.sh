@@ -3,7 +3,8 @@
 # against its reference, the golden sets on CUDA (greedy with vs without CUDA graphs), the
 # forward benchmark. Prepare here first (bash scripts/prepare_device.sh), then
 #   run(command="bash scripts/device_run.sh", carry=["devdata", ".device_wheels"])
-# Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline; also ab, ncu), KERNEL_SECTIONS,
+# Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline; also insitu8 and bench8: the
+# same with FP8 activations, ab, ncu, profile), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
 # knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS=..."), KNOBS (module globals or dict entries the bench runs under, Python literals:
@@ -58,6 +59,10 @@ if want insitu; then
   echo "=== insitu" | tee -a "$LOG"
   timeout 150 python scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 2>&1 | tee -a "$LOG" | tail -20
 fi
+if want insitu8; then  # the same with FP8 activations (--fp8-activations)
+  echo "=== insitu8" | tee -a "$LOG"
+  timeout 150 python scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 --fp8-activations 2>&1 | tee -a "$LOG" | tail -20
+fi
 if want golden; then
   echo "=== golden" | tee -a "$LOG"
   timeout 240 python scripts/gpu_golden.py devdata/golden/v41-tiny-a 2>&1 | grep -v Warning | tee -a "$LOG" | tail -8
@@ -67,6 +72,13 @@ if want bench; then
   CASES=${BENCH_CASES:-"d1_8k=1*1@8192 d8_32k=8*1@32768 d64_32k=64*1@32768 d256_8k=256*1@8192 d64_128k=64*1@131072 p8k=8192 hit=1024@100000"}
   bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward.json" ${BENCH_FLAGS:---no-baseline} $CASES 2>&1 \
+    | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -45
+fi
+if want bench8; then  # the bench cases with FP8 activations
+  echo "=== bench8" | tee -a "$LOG"
+  CASES=${BENCH_CASES:-"d1_8k=1*1@8192 d8_32k=8*1@32768 d64_32k=64*1@32768 d256_8k=256*1@8192 d64_128k=64*1@131072 p8k=8192 hit=1024@100000"}
+  bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
+    --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward_fp8.json" --no-baseline --fp8-activations $CASES 2>&1 \
     | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -45
 fi
 if want ab; then  # A/B: the same cases under other kernel knobs, one run per variant of AB_ENV (VAR=value ..., variants split by ';')

@@ -5,7 +5,7 @@
 * bf16: the reference ops, the fast path eager (--enforce-eager, synchronous scheduling), with
   CUDA graphs (and async scheduling, their default) and with graphs but synchronous
   scheduling. Neither may change outputs: greedy tokens (and the decode logits) of the fast
-  path are identical in all three. The fast path against the bf16 reference ops:
+  path are identical in all three; with FP8 activations, eager and graphs are identical too. The fast path against the bf16 reference ops:
   logit distance and greedy agreement (bf16 flips selections on these random tiny models,
   see tests/model/test_golden.py::test_bf16_within_bf16_noise).
 
@@ -50,7 +50,8 @@ def main(folders: list[str]) -> int:
 
         runs = {label: _run(folder, prompts, dtype="bfloat16", **opts) for label, opts in (
             ("reference", {"fast_path": False}), ("fast_eager", {"enforce_eager": True}), ("fast_graphs", {}),
-            ("fast_graphs_sync", {"async_scheduling": False}))}
+            ("fast_graphs_sync", {"async_scheduling": False}),
+            ("fp8_eager", {"enforce_eager": True, "fp8_activations": True}), ("fp8_graphs", {"fp8_activations": True}))}
         entry = {"fast_path_on": runs["fast_graphs"][2]}
         if not runs["fast_graphs"][2]:
             print(name, "bfloat16: this config runs the reference path only", flush=True)
@@ -67,6 +68,14 @@ def main(folders: list[str]) -> int:
                          fast_vs_reference_mean_logit_distance=dist, fast_vs_reference_greedy_agreement_of_12=agree)
             print(name, "bfloat16: graphs (async) == graphs (sync) == eager greedy", graph_same, "logprobs", lp_same, flush=True)
             print(name, "bfloat16: fast vs reference ops mean |logit diff|", [f"{d:.3f}" for d in dist], "greedy agreement /12", agree, flush=True)
+            # FP8 activations: graphs may not change outputs either
+            e8, g8 = runs["fp8_eager"][1], runs["fp8_graphs"][1]
+            fp8_same = [a.token_ids == b.token_ids and logprobs(a) == logprobs(b) for a, b in zip(e8, g8)]
+            failed |= not all(fp8_same)
+            fp8_dist = [float((a - b).abs().mean()) for a, b in zip(runs["fp8_eager"][0], runs["fast_eager"][0])]
+            entry.update(fp8_graphs_vs_eager_identical=fp8_same, fp8_vs_bf16_mean_logit_distance=fp8_dist)
+            print(name, "bfloat16 + FP8 activations: graphs == eager (greedy and logprobs)", fp8_same,
+                  "mean |logit diff| to unquantised", [f"{d:.3f}" for d in fp8_dist], flush=True)
         results[f"{name}/bfloat16"] = entry
     out = os.environ.get("OUT")
     if out:
