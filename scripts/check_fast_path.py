@@ -64,7 +64,7 @@ TOLERANCE = {
     "hash_ids": 0.0, "lookup": 0.0, "gate": 1e-2,
     # compact FP8 weights only run on the GPU (CPU runs load dequantised weights)
     "fp8_linear_w8a16": 1e-2, "moe_experts": 2e-2, "moe_experts_dense": 2e-2,
-    "fp8_act_fake_quant": 0.0,  # --fp8-activations only
+    "fp8_act_fake_quant": 0.0, "fp8_act_quant": 0.0,  # --fp8-activations only (codes and exponents bit for bit)
     "route_scores": 1e-5,  # the same experts (else inf); weights to fp32 rounding of the logits (summed in another order than cuBLAS's)
     "compress_entries": 1e-2,  # the norm's sum of squares in another order (as rms_norm); cache bytes: their share
     "linear_fp32": 1e-5,  # the compressor's fp32 projections: fp32 sums in another order
@@ -199,6 +199,8 @@ def install(checker: Checker) -> None:
     c.wrap(fp8_gemm, "fp8_linear_w8a16", _w8a16_reference)
     c.wrap(triton_ops, "fp8_linear_w8a16", _w8a16_reference)
     c.wrap(fp8_gemm, "fp8_act_fake_quant", lambda x, block: quant.fake_quant_act(x, block))
+    same_codes = lambda o, r, *a: 0.0 if torch.equal(o[0].view(torch.uint8), r[0].view(torch.uint8)) and torch.equal(o[1], r[1]) else float("inf")
+    c.wrap(fp8_gemm, "fp8_act_quant", _act_quant_reference, same_codes)
     c.wrap(triton_ops, "moe_experts", _moe_reference)
     c.wrap(triton_ops, "moe_experts_dense", _moe_reference)
     c.wrap(attention_layer, "linear_fp32", lambda x, w: linear(x.float(), w))
@@ -206,8 +208,20 @@ def install(checker: Checker) -> None:
            lambda o, r, *a: _rel(o[0], r[0]) if torch.equal(o[1].cpu(), r[1].cpu()) else float("inf"))
 
 
-def _w8a16_reference(x, w, s, block, groups=1):
-    """bf16 GEMMs on the exactly dequantised weight, group by group."""
+def _act_quant_reference(x, block):
+    """`quant.quantize_fp8_ue8m0` with a partial last block quantised over its columns."""
+    k = x.shape[-1]
+    codes, exps = quant.quantize_fp8_ue8m0(torch.nn.functional.pad(x, (0, -k % block)), block)
+    return codes[..., :k], exps
+
+
+def _w8a16_reference(x, w, s, block, groups=1, x_scale=None):
+    """bf16 GEMMs on the exactly dequantised weight, group by group (FP8 inputs, x_scale:
+    their exact bf16 values first)."""
+    if x_scale is not None:
+        pad = -x.shape[-1] % quant.ACT_BLOCK
+        codes = torch.nn.functional.pad(x.view(torch.uint8), (0, pad)).view(torch.float8_e4m3fn)
+        x = quant.dequantize_fp8_ue8m0(codes, x_scale, torch.bfloat16, quant.ACT_BLOCK)[..., : x.shape[-1]]
     dense = quant.dequant_fp8_block(w, s, block).to(x.dtype)
     n, k = dense.shape[0] // groups, dense.shape[1]
     return torch.cat([linear(x[..., g * k : (g + 1) * k], dense[g * n : (g + 1) * n]) for g in range(groups)], dim=-1)

@@ -213,6 +213,12 @@ def fp8_linear_case(name: str, m: int, w: torch.Tensor, s: torch.Tensor, wd: tor
     chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, x.device))
     if m <= 8 and k // (2 * chunks) >= fp8_gemm.CHUNK_ALIGN:  # twice the K chunks (other bits: the chunking is numerics)
         variant(f"{2 * chunks} chunks (default {chunks})", {"CHUNKS": {**fp8_gemm.W8A16["CHUNKS"], (n, k, block): 2 * chunks}}, None)
+    if m <= 256:  # FP8 activations at decode (x_scale): FP8 codes of x into the same kernel
+        codes, exps = fp8_gemm.fp8_act_quant(x, 32)
+        xq32 = quant.fake_quant_act(x, 32).double()
+        err8 = rel_err(fp8_gemm.fp8_linear_w8a16(codes, w, s, block, x_scale=exps), xq32 @ wd.double().T)
+        t = graph_time([lambda wi=wi, si=si: fp8_gemm.fp8_linear_w8a16(codes, wi, si, block, x_scale=exps) for wi, si in rotated(w, s)])
+        record("fp8_linear", case, "w8a16_graph fp8 inputs", ok=err8 <= 2**-8 * 1.1, err=err8, **perf(t, w_bytes + io, flops, "fp8"))
     if m >= 64:
         y8 = fp8_gemm.fp8_linear_w8a8(x, w, s, block)
         xq = quant.dequantize_fp8_ue8m0(*quant.quantize_fp8_ue8m0(x, block), torch.float64, block)
@@ -2017,19 +2023,26 @@ def compile_targets() -> list[tuple]:
     out = []
     a = "i32:16"  # sizes and strides that are multiples of 16 at the real shapes
     w8a16 = {
-        "x_ptr": "*bf16:16", "w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "part_ptr": "*fp32:16", "count_ptr": "*i32:16",
-        "M": i, "N": a, "K": a, "CHUNK_K": a, "GROUP_ROWS": a, "stride_xm": a, "stride_wn": a, "stride_sn": a, "stride_om": a,
+        "x_ptr": "*bf16:16", "xs_ptr": "*bf16:16", "w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "part_ptr": "*fp32:16",
+        "count_ptr": "*i32:16", "M": i, "N": a, "K": a, "CHUNK_K": a, "GROUP_ROWS": a, "stride_xm": a, "stride_xsm": i, "stride_wn": a,
+        "stride_sn": a, "stride_om": a,
     }
-    for max_rows, cfg in fp8_gemm.W8A16["rows"]:
+    w8a8_decode = dict(w8a16, x_ptr="*fp8e4nv:16", xs_ptr="*u8")  # A8: FP8 activations (x_scale)
+    classes = [(c, False) for c in fp8_gemm.W8A16["rows"]] + [(c, True) for c in fp8_gemm.W8A16["fp8_rows"]]
+    for (max_rows, cfg), fp8_inputs in classes:
         for block in (32, 128):
-            for split, words in ((sp, wo) for sp in (False, True) for wo in (False, True)):  # both weight reads
+            # both weight reads, or FP8 inputs (bytes only)
+            variants = [(sp, False, True) for sp in (False, True)] if fp8_inputs else [(sp, wo, False) for sp in (False, True) for wo in (False, True)]
+            for split, words, a8 in variants:
                 tiles = {k: cfg[k] for k in ("BLOCK_T", "BLOCK_N", "BLOCK_K", "GROUP_T")}
                 consts = dict(tiles, QBLOCK=block, PIECE=min(block, 32), SPLIT=split, EVEN_K=True, PTX=True, WORDS=words,
                               LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS,
-                              TICKET=split and cfg["BLOCK_T"] <= fp8_gemm.W8A16["TICKET_MAX_T"])
-                label = f"w8a16 rows<={max_rows} BT={cfg['BLOCK_T']} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} b={block} split={split} {'words' if words else 'bytes'}"
+                              TICKET=split and cfg["BLOCK_T"] <= fp8_gemm.W8A16["TICKET_MAX_T"], A8=a8)
+                label = (f"w8a16 rows<={max_rows} BT={cfg['BLOCK_T']} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} b={block} split={split} "
+                         f"{'fp8 inputs' if a8 else 'words' if words else 'bytes'}")
                 # every row class on wgmma: the batch-invariance contract (fp8_gemm.W8A16)
-                out.append((label, fp8_gemm._w8a16_kernel, w8a16, consts, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, "wgmma"))
+                out.append((label, fp8_gemm._w8a16_kernel, w8a8_decode if a8 else w8a16, consts,
+                            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, "wgmma"))
     act = {"x_ptr": "*bf16:16", "q_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "M": i, "K": a, "stride_xm": a, "stride_qm": a, "stride_sm": a}
     act_fake = dict(act, q_ptr="*bf16:16", s_ptr="*u8", stride_sm=i)  # the round trip to bf16 (fp8_act_fake_quant)
     for block in (32, 128):

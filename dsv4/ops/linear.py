@@ -80,18 +80,29 @@ class Linear:
             return quant.dequant_fp8_rows(self.weight, self.scale, 32, validate=False).to(dtype)
         return quant.dequant_fp8_block(self.weight, self.scale, self.block, validate=False).to(dtype)
 
+    def weight_only(self, x: torch.Tensor) -> bool:
+        """Whether `x @ W^T` runs the FP8 weight-only Triton kernel: compact FP8 tiles, bf16 x on
+        the GPU, fewer than DENSE_GEMM_ROWS rows (Hopper decode)."""
+        return (self.scale is not None and not self.row_scales and x.is_cuda and x.dtype == torch.bfloat16
+                and x.numel() < DENSE_GEMM_ROWS * x.shape[-1])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_input and self.weight_only(x):  # FP8 x FP8 in the kernel, from x's FP8 codes
+            from dsv4.ops.triton import fp8_gemm
+
+            codes, exps = fp8_gemm.fp8_act_quant(x.reshape(-1, x.shape[-1]), quant.ACT_BLOCK)
+            y = fp8_gemm.fp8_linear_w8a16(codes, self.weight, self.scale, self.block, x_scale=exps)
+            return y.view(*x.shape[:-1], -1)
         return self.matmul(quantise_input(x) if self.quant_input else x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W^T` of x as given (already quantised where `quant_input` asks for it)."""
-        if self.scale is not None and not self.row_scales and x.is_cuda and x.dtype == torch.bfloat16:
-            if x.numel() >= DENSE_GEMM_ROWS * x.shape[-1]:
-                return F.linear(x, self.dense(x.dtype))
-            # Hopper, few rows: the weight stays FP8 (the weight-only kernel)
+        if self.weight_only(x):  # Hopper, few rows: the weight stays FP8
             from dsv4.ops.triton import fp8_linear_w8a16
 
             return fp8_linear_w8a16(x, self.weight, self.scale, self.block)
+        if self.scale is not None and not self.row_scales and x.is_cuda and x.dtype == torch.bfloat16:
+            return F.linear(x, self.dense(x.dtype))  # many rows: compute bound, cuBLAS on the dequantised weight
         return linear(x, self.dense(x.dtype))
 
 
@@ -101,11 +112,17 @@ def grouped_linear(x: torch.Tensor, whole: Linear, parts: list[Linear]) -> torch
     launch of the weight-only kernel for all groups; otherwise one projection per group."""
     groups = len(parts)
     rows = x.shape[0]
-    if whole.quant_input:  # per block of a group's inputs (K), as each part would
-        x = quantise_input(x)
     if whole.scale is not None and not whole.row_scales and x.is_cuda and x.dtype == torch.bfloat16 and rows < DENSE_GEMM_ROWS:
         from dsv4.ops.triton import fp8_gemm
 
-        if fp8_gemm.grouped_fits(whole.out_features // groups, rows):
-            return fp8_gemm.fp8_linear_w8a16(x.reshape(rows, -1), whole.weight, whole.scale, whole.block, groups=groups)
+        fp8_inputs = whole.quant_input and x.shape[-1] % quant.ACT_BLOCK == 0  # FP8 x FP8 (each group's blocks its own)
+        if fp8_gemm.grouped_fits(whole.out_features // groups, rows, fp8_inputs):
+            flat = x.reshape(rows, -1)
+            if fp8_inputs:
+                codes, exps = fp8_gemm.fp8_act_quant(flat, quant.ACT_BLOCK)
+                return fp8_gemm.fp8_linear_w8a16(codes, whole.weight, whole.scale, whole.block, groups=groups, x_scale=exps)
+            return fp8_gemm.fp8_linear_w8a16(quantise_input(x).reshape(rows, -1) if whole.quant_input else flat,
+                                             whole.weight, whole.scale, whole.block, groups=groups)
+    if whole.quant_input:  # per block of a group's inputs (K), as each part would
+        x = quantise_input(x)
     return torch.cat([w.matmul(x[:, g]) for g, w in enumerate(parts)], dim=-1)

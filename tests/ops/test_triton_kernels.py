@@ -155,6 +155,58 @@ def test_fp8_linear_w8a16_matches_dequant_reference(m, n, k, block):
     assert _rel_err(y, lin) <= 2 * BF16_REL
 
 
+@pytest.mark.parametrize(
+    "m,n,k,block",
+    [(1, 70, 100, 32), (20, 64, 96, 32), (5, 50, 300, 128), (40, 64, 640, 32), (130, 40, 384, 128), (6, 64, 640, 256)],
+)
+def test_fp8_linear_w8a16_fp8_inputs_match_quantised_reference(m, n, k, block):
+    """x_scale (FP8 activations): FP8 codes of x times the FP8 weight, per 32 inputs scaled
+    into fp32, against x's FP8 round trip times the dequantised weight (the same products; a
+    partial last block of K = 100 / 300 quantised over its columns)."""
+    g = _gen(m * 1000 + n + 3)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w, s = _fp8_weight(n, k, block, g)
+    xq = quant.fake_quant_act(x, 32)
+    ref = xq.double() @ quant.dequant_fp8_block(w, s, block).double().T
+    codes, exps = fp8_gemm.fp8_act_quant(x.to(DEVICE), 32)
+    y = fp8_gemm.fp8_linear_w8a16(codes, w.to(DEVICE), s.to(DEVICE), block, x_scale=exps)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert _rel_err(y, ref) <= BF16_REL * 1.01
+    plain = x.double() @ quant.dequant_fp8_block(w, s, block).double().T
+    assert _rel_err(ref, plain) > 4 * BF16_REL  # the quantisation shows at this tolerance
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8_gemm.fp8_linear_w8a16(codes, w.to(DEVICE), s.to(DEVICE), block, x_scale=exps[:, :1])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemm.fp8_linear_w8a16(x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), block, x_scale=exps)
+
+
+def test_fp8_inputs_rows_do_not_depend_on_batch_and_groups_split(monkeypatch):
+    """FP8 inputs keep the weight-only kernel's batch invariance (a row alone, split-K, and in
+    unsplit batches of every row class: the same bits), and a grouped call (wo_a) is each group
+    on its own inputs."""
+    monkeypatch.setattr(fp8_gemm, "num_sms", lambda device: 4)
+    g = _gen(19)
+    x = torch.randn(200, 640, generator=g).bfloat16().to(DEVICE)
+    w, s = (a.to(DEVICE) for a in _fp8_weight(64, 640, 32, g))
+    codes, exps = fp8_gemm.fp8_act_quant(x, 32)
+    alone = {i: fp8_gemm.fp8_linear_w8a16(codes[i : i + 1], w, s, 32, x_scale=exps[i : i + 1])[0] for i in (0, 17, 199)}
+    monkeypatch.setitem(fp8_gemm.W8A16, "SPLIT_TILES_PER_SM", 0.0)
+    for m in (20, 50, 200):
+        batch = fp8_gemm.fp8_linear_w8a16(codes[-m:], w, s, 32, x_scale=exps[-m:])
+        for i, row in alone.items():
+            if i >= 200 - m:
+                assert torch.equal(row, batch[i - (200 - m)])
+    groups, n_g, k = 3, 128, 96
+    xg = torch.randn(5, groups * k, generator=g).bfloat16()
+    wg, sg = _fp8_weight(groups * n_g, k, 32, g)
+    cg, eg = fp8_gemm.fp8_act_quant(xg.to(DEVICE), 32)
+    y = fp8_gemm.fp8_linear_w8a16(cg, wg.to(DEVICE), sg.to(DEVICE), 32, groups=groups, x_scale=eg)
+    dense = quant.dequant_fp8_block(wg, sg, 32).double()
+    xq = quant.fake_quant_act(xg, 32).double()
+    ref = torch.cat([xq[:, i * k : (i + 1) * k] @ dense[i * n_g : (i + 1) * n_g].T for i in range(groups)], dim=1)
+    assert _rel_err(y, ref) <= BF16_REL * 1.01
+
+
 @triton.jit
 def _dequant_codes_kernel(w_ptr, s_ptr, out_ptr, PTX: tl.constexpr):
     """Every e4m3 code (columns) under 8 scale bytes (rows) through `fp8_gemm.dequant_rows`."""

@@ -26,9 +26,10 @@ have different limits:
   numerics, not HF's (which does not quantise activations): the error against the w8a16
   reference is that of one e4m3 rounding of x (about 2**-5 relative per element).
 
-`fp8_act_fake_quant` is that quantiser's round trip back to bf16 in one launch: the input of a
-projection under FP8 activations (`ModelConfig.fp8_activations`) whose GEMM stays one of the
-bf16 paths of `ops.linear.Linear`.
+Under FP8 activations (`ModelConfig.fp8_activations`) a decode projection's x arrives as FP8
+codes from `fp8_act_quant` and `fp8_linear_w8a16(..., x_scale=)` multiplies them without
+dequantising anything (FP8 x FP8 per 32 inputs, the same chunking); `fp8_act_fake_quant` is
+the quantiser's round trip back to bf16 in one launch, for the inputs of the bf16 GEMMs.
 
 `fp8_linear` picks one by the number of rows (`W8A8_MIN_ROWS`). The two paths differ
 numerically (and the FP8 path's autotuned tiles depend on the row count), so through the
@@ -214,6 +215,14 @@ W8A16 = {
         (64, {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 8, "num_stages": 3}),
         (None, {"BLOCK_T": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_T": 8, "num_warps": 8, "num_stages": 3}),
     ),
+    # FP8 inputs (A8): the same classes, whose per-piece product is a third fp32 tile next to
+    # the chunk and total sums; from 33 rows 64 weight rows at 4 warps and at most 64 rows per
+    # tile (the bf16 tiles spill there on sm_90, --compile-only); not swept yet
+    "fp8_rows": (
+        (16, {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 4}),
+        (32, {"BLOCK_T": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 4}),
+        (None, {"BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 4, "num_warps": 4, "num_stages": 3}),
+    ),
     # wq_a: 10 chunks of 512 beat the default 20 of 256 by 14% over M = 1, 8, 64 (device run 1)
     "CHUNKS": {(1280, 5120, 32): 10},
     # 4: twice the split-K chunks of 2 where the tile count allowed it (fp8_linear S3-4, M=1):
@@ -245,13 +254,13 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 @triton.jit(do_not_specialize=["M"])
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, CHUNK_K, GROUP_ROWS,
-    stride_xm, stride_wn, stride_sn, stride_om,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_om,
     QBLOCK: tl.constexpr, PIECE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, WORDS: tl.constexpr,
-    LOADS: tl.constexpr, ROWS: tl.constexpr, TICKET: tl.constexpr,
+    LOADS: tl.constexpr, ROWS: tl.constexpr, TICKET: tl.constexpr, A8: tl.constexpr,
 ):
     """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
     by K chunk (the weight rows as the wgmma's M; see the knobs above).
@@ -265,7 +274,12 @@ def _w8a16_kernel(
 
     WORDS (`W8A16["DEQUANT"]` "words"; needs EVEN_K, PTX and 4-byte aligned weight rows): the
     weights are read as int32 words of 4 codes and dequantised by `dequant_words` — the same
-    values as the byte path."""
+    values as the byte path.
+
+    A8 (FP8 activations; PIECE 32, byte reads): x holds FP8 codes and xs their exponent bytes
+    per 32 inputs (`fp8_act_quant`); each piece is one FP8 x FP8 MMA from zero straight from
+    the weight codes, scaled by (weight scale x row scale) into the chunk's fp32 sum. The chunks
+    and their order are the same, so the same batch invariance."""
     pid = tl.program_id(0)
     tiles_t = tl.cdiv(M, BLOCK_T)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -282,6 +296,7 @@ def _w8a16_kernel(
     # int64 rows (and at the stores): M x N passes 2**31 from 64K rows of wq_b. Grouped
     # (GROUP_ROWS weight rows per group): the tile's group reads its own K inputs of x.
     x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_xm + (pid_n * BLOCK_N // GROUP_ROWS) * K
+    xs_rows = xs_ptr + rt.to(tl.int64) * stride_xsm + (pid_n * BLOCK_N // GROUP_ROWS) * tl.cdiv(K, PIECE)  # (A8)
     w_rows = w_ptr + rn[:, None] * stride_wn
     s_rows = s_ptr + (rn // QBLOCK) * stride_sn
     if SPLIT:
@@ -314,7 +329,10 @@ def _w8a16_kernel(
                     s = tl.load(s_rows + (k0 + j * PIECE) // QBLOCK, mask=n_ok, other=0)
                 else:  # a piece past K (zeros) takes the row's last scale: there is no column there
                     s = tl.load(s_rows + tl.minimum((k0 + j * PIECE) // QBLOCK, (K - 1) // QBLOCK), mask=n_ok, other=0)
-            if WORDS:
+            if A8:  # a piece past K (zeros) takes the row's last scale, as the weight's
+                sx = tl.load(xs_rows + tl.minimum((k0 + j * PIECE) // PIECE, (K - 1) // PIECE), mask=t_ok, other=0)
+                acc += tl.dot(w, tl.trans(x)) * (e8m0_to_fp32(s)[:, None] * e8m0_to_fp32(sx)[None, :])
+            elif WORDS:
                 acc = tl.dot(dequant_words(w, s.to(tl.int32)), tl.trans(x), acc)
             else:
                 acc = tl.dot(dequant_rows(w, s, PTX), tl.trans(x), acc)
@@ -366,18 +384,19 @@ def num_sms(device: torch.device) -> int:
     return _SMS[device]
 
 
-def w8a16_config(m: int) -> dict:
-    """The tile knobs of the first row class that holds m rows."""
-    for max_rows, cfg in W8A16["rows"]:
+def w8a16_config(m: int, fp8_inputs: bool = False) -> dict:
+    """The tile knobs of the first row class that holds m rows (of the FP8-input table with
+    `fp8_inputs`)."""
+    for max_rows, cfg in W8A16["fp8_rows" if fp8_inputs else "rows"]:
         if max_rows is None or m <= max_rows:
             return cfg
     raise ValueError("W8A16['rows'] must end with a class for any row count (max_rows None)")
 
 
-def grouped_fits(group_rows: int, m: int) -> bool:
+def grouped_fits(group_rows: int, m: int, fp8_inputs: bool = False) -> bool:
     """Whether an m-row grouped call with `group_rows` weight rows per group tiles evenly
     (each weight tile inside one group)."""
-    return group_rows % w8a16_config(m)["BLOCK_N"] == 0
+    return group_rows % w8a16_config(m, fp8_inputs)["BLOCK_N"] == 0
 
 
 def wgmma_tile_error(rows: int, cols: int, warps: int) -> str | None:
@@ -423,8 +442,12 @@ def _tile_counters(device: torch.device, split: bool) -> torch.Tensor:
     return counters
 
 
-def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int, groups: int = 1) -> torch.Tensor:
+def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int, groups: int = 1,
+                     x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Weight-only dequantisation in the kernel; bf16 x bf16 tensor-core products (any M).
+    With `x_scale`, x is FP8 (float8_e4m3fn codes, `x_scale` their exponent bytes per 32 inputs,
+    from `fp8_act_quant` of the bf16 input; FP8 activations): FP8 x FP8 products, no weight
+    dequantisation (the kernel's A8), the same chunking and so the same batch invariance.
 
     Calls with few output tiles (decode) run one program per K chunk; larger ones one program
     per tile over all chunks. Both give the same bits (see `_w8a16_kernel`).
@@ -435,13 +458,21 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
     n, k = w.shape
     if groups < 1 or n % groups or x.shape[-1] != groups * k:
         raise ValueError(f"fp8_linear_w8a16: groups={groups} needs x [..., {groups} * {k}] and a weight of rows divisible by {groups}, got x {list(x.shape)}, weight {[n, k]}")
-    x2, lead, w_scale = _check(x.reshape(-1, groups, k)[:, 0] if groups > 1 else x, w, w_scale, block)
+    a8 = x_scale is not None
+    x2, lead, w_scale = _check(x.reshape(-1, groups, k)[:, 0] if groups > 1 else x, w, w_scale, block, a8)
     if groups > 1:
         x2, lead = x.reshape(-1, groups * k).contiguous(), tuple(x.shape[:-1])
     m = x2.shape[0]
+    if a8:
+        want = [*lead, groups * triton.cdiv(k, 32)]
+        if groups > 1 and k % 32:
+            raise ValueError(f"fp8_linear_w8a16: grouped FP8 inputs need each group's {k} inputs in whole 32-input scale blocks")
+        if x_scale.dtype != torch.uint8 or list(x_scale.shape) != want:
+            raise ValueError(f"fp8_linear_w8a16: x_scale must be uint8 exponent bytes {want} (one per 32 inputs), got {x_scale.dtype} {list(x_scale.shape)}")
+        x_scale = x_scale.reshape(m, -1).contiguous()
     if m == 0:
         return x.new_empty(*lead, n)
-    cfg = w8a16_config(m)
+    cfg = w8a16_config(m, a8)
     bn, bt, bk = cfg["BLOCK_N"], cfg["BLOCK_T"], cfg["BLOCK_K"]
     if groups > 1 and (n // groups) % bn:
         raise ValueError(f"fp8_linear_w8a16: a group's {n // groups} rows must be whole {bn}-row tiles")
@@ -461,11 +492,11 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
     part = torch.empty(chunks if split else 0, m, n, dtype=torch.float32, device=x.device)
     ptx = ptx_convert(x.device)
     _w8a16_kernel[(tiles, chunks if split else 1)](
-        x2, w, w_scale, out, part, _tile_counters(x.device, ticket), m, n, k, chunk_k, n // groups,
-        x2.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        x2, x_scale if a8 else x2, w, w_scale, out, part, _tile_counters(x.device, ticket), m, n, k, chunk_k, n // groups,
+        x2.stride(0), x_scale.stride(0) if a8 else 0, w.stride(0), w_scale.stride(0), out.stride(0),
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
-        SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=w8a16_words(ptx, w, k % bk == 0),
-        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, TICKET=ticket,
+        SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=not a8 and w8a16_words(ptx, w, k % bk == 0),
+        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, TICKET=ticket, A8=a8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split and not ticket:
@@ -691,9 +722,9 @@ def fp8_linear_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
 # ------------------------------------------------------------------------------ dispatch
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int) -> tuple[torch.Tensor, tuple, torch.Tensor]:
-    """Validate shapes/dtypes; -> (x as a contiguous [M, K] view, leading shape of x, scale
-    bytes as uint8)."""
+def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int, fp8_x: bool = False) -> tuple[torch.Tensor, tuple, torch.Tensor]:
+    """Validate shapes/dtypes (x bf16, or FP8 codes with `fp8_x`); -> (x as a contiguous [M, K]
+    view, leading shape of x, scale bytes as uint8)."""
     n, k = w.shape
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fp8_linear: weight must be float8_e4m3fn, got {w.dtype}")
@@ -705,8 +736,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int) 
     grid = (triton.cdiv(n, block), triton.cdiv(k, block))
     if tuple(w_scale.shape) != grid:
         raise ValueError(f"fp8_linear: scale shape {list(w_scale.shape)} != {list(grid)} for weight {[n, k]} and block {block}")
-    if x.shape[-1] != k or x.dtype != torch.bfloat16:
-        raise ValueError(f"fp8_linear: x must be bf16 [..., {k}], got {x.dtype} {list(x.shape)}")
+    want = torch.float8_e4m3fn if fp8_x else torch.bfloat16
+    if x.shape[-1] != k or x.dtype != want:
+        raise ValueError(f"fp8_linear: x must be {want} [..., {k}], got {x.dtype} {list(x.shape)}")
     if w.stride(1) != 1 or w_scale.stride(1) != 1:
         raise ValueError("fp8_linear: weight and scale must be row-major (last stride 1)")
     return x.reshape(-1, k).contiguous(), tuple(x.shape[:-1]), w_scale
