@@ -357,6 +357,17 @@ def test_bench_forward_v4_with_baseline_and_bad_input(tmp_path, capsys):
     assert "--block-size" in capsys.readouterr().out
     assert _run(["--config", "no/such/config.json", "d=1"]) == 2
     assert "neither a built-in" in capsys.readouterr().out
+    assert _run(["--config", "tiny-v4", "--device", "cpu", "--fp8-activations", "d=1@8"]) == 2
+    assert "--fp8-activations: V4.1 configs only" in capsys.readouterr().out
+
+
+def test_bench_forward_fp8_activations_on_cpu(tmp_path, capsys):
+    """The flag reaches the model (both paths quantise their FP8/FP4 GEMM inputs) and the JSON."""
+    out = tmp_path / "fp8.json"
+    assert _run(["--config", "tiny-v41", "--device", "cpu", "--warmup", "0", "--iters", "1", "--no-breakdown", "--fp8-activations",
+                 "--json", str(out), "decode=2*1@64"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["fp8_activations"] and "FP8 activations" in doc["fast_path"] and "FP8 activations" in capsys.readouterr().out
 
 
 def test_bench_forward_reports_a_failing_case_and_runs_the_rest(tmp_path, capsys, monkeypatch):

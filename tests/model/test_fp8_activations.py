@@ -74,3 +74,8 @@ def test_fast_path_matches_reference_path_and_differs_from_golden():
 def test_fp8_activations_is_checked():
     with pytest.raises(ConfigError, match="fp8_activations"):
         EngineConfig(fp8_activations="yes")
+    v4 = SHARED / "golden" / "v4-tiny-a"
+    if not v4.is_dir():
+        pytest.skip(f"golden set {v4} not found")
+    with pytest.raises(ValueError, match="fp8_activations: supported for V4.1 only"):
+        LLM(v4, fp8_activations=True, **ENGINE)
