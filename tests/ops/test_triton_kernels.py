@@ -463,16 +463,6 @@ def _exact_experts(e: int, d: int, inter: int, g: torch.Generator):
     return w13, s13, w2, s2
 
 
-def _quantised_experts_reference(x, weights, ids, w13, s13, w2, s2, limit, weight_before_down, quant_input):
-    inter = w2.shape[2]
-    n_exp = w13.shape[0]
-    lin = lambda w, s: Linear(_dequant_rows(w, s), quant_input=quant_input)
-    w1 = [lin(w13[e, :inter], s13[e, :inter]) for e in range(n_exp)]
-    w3 = [lin(w13[e, inter:], s13[e, inter:]) for e in range(n_exp)]
-    w2l = [lin(w2[e], s2[e]) for e in range(n_exp)]
-    return moe_ref.experts_forward(x, weights, ids, w1, w2l, w3, limit, weight_before_down).float()
-
-
 @pytest.mark.parametrize("weight_before_down", [True, False])
 # the row classes of test_moe_experts_matches_reference: pair tiles, the layout, row tiles 16, 64, 128
 @pytest.mark.parametrize("t,top_k,n_exp", [(3, 2, 8), (6, 2, 16), (5, 3, 8), (40, 2, 4), (60, 2, 2)])
@@ -487,8 +477,8 @@ def test_moe_experts_fp8_activations_match_quantised_reference(weight_before_dow
     w13, s13, w2, s2 = _exact_experts(n_exp, d, inter, g)
     scores = moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g))
     weights, ids = moe_ref.route(scores, torch.zeros(n_exp), top_k, None, 1.5, True)
-    ref = _quantised_experts_reference(x, weights, ids, w13, s13, w2, s2, limit, weight_before_down, True)
-    plain = _quantised_experts_reference(x, weights, ids, w13, s13, w2, s2, limit, weight_before_down, False)
+    ref = _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down, quant_input=True)
+    plain = _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down)
     assert _rel_err(ref, plain) > 8 * BF16_REL  # the quantisation is visible at this tolerance
     dev = [a.to(DEVICE) for a in (x, ids, weights, w13, s13, w2, s2)]
     for kernel in (moe.moe_experts, moe.moe_experts_dense):
@@ -554,20 +544,21 @@ class _Experts:
     """`experts_forward`'s per-expert Linears of stacked FP8 experts, dequantised (exactly, to
     bf16) only for the experts a routing uses."""
 
-    def __init__(self, w: torch.Tensor, s: torch.Tensor, rows: slice):
-        self.w, self.s, self.rows = w, s, rows
+    def __init__(self, w: torch.Tensor, s: torch.Tensor, rows: slice, quant_input: bool = False):
+        self.w, self.s, self.rows, self.quant_input = w, s, rows, quant_input
 
     def __len__(self) -> int:
         return self.w.shape[0]
 
     def __getitem__(self, e: int) -> Linear:
-        return Linear(_dequant_rows(self.w[e, self.rows].cpu(), self.s[e, self.rows].cpu()))
+        return Linear(_dequant_rows(self.w[e, self.rows].cpu(), self.s[e, self.rows].cpu()), quant_input=self.quant_input)
 
 
-def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit: float) -> torch.Tensor:
+def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit: float, weight_before_down: bool = True, quant_input: bool = False) -> torch.Tensor:
+    """The per-expert torch loop (its Linears quantise their inputs with `quant_input`)."""
     inter = w2.shape[2]
-    w1, w3 = _Experts(w13, s13, slice(0, inter)), _Experts(w13, s13, slice(inter, 2 * inter))
-    return moe_ref.experts_forward(x, weights, ids, w1, _Experts(w2, s2, slice(None)), w3, limit, True).float()
+    w1, w3 = _Experts(w13, s13, slice(0, inter), quant_input), _Experts(w13, s13, slice(inter, 2 * inter), quant_input)
+    return moe_ref.experts_forward(x, weights, ids, w1, _Experts(w2, s2, slice(None), quant_input), w3, limit, weight_before_down).float()
 
 
 @pytest.mark.parametrize("t,max_pairs,pair_tiles", [(1, 4096, 0), (1, 4096, 8), (8, 0, 0), (64, 4096, 0)])  # max_pairs 0: torch's layout builder

@@ -87,6 +87,30 @@ def round_to_e4m3(v):
     return (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def pow2_ceil_exponent(t):
+    """ceil(log2(t)) of positive normal fp32 t from its bits (`quant.pow2_ceil_exponent`)."""
+    bits = t.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def pow2(e):
+    """2**e as fp32 for integer e in [-126, 127], from the exponent bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_quantise(x):
+    """FP8 blocks x [rows, blocks, block] -> (the e4m3 code values in fp32, the ue8m0 exponent
+    per block): amax (>= 1e-4), exponent ceil(log2(amax * (1/448))), codes = e4m3(x * 2**-exp)
+    (`quant.quantize_fp8_ue8m0`: GEMM inputs, the window KV, the experts' activations)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
+    exp = pow2_ceil_exponent(amax * (1.0 / FP8_MAX))
+    v = x * pow2(-exp)[:, :, None]  # |v| <= 448 by the exponent's rounding up: no clamp needed
+    return round_to_e4m3(v), exp
+
+
 # ------------------------------------------------------------------------------ w8a16 kernel
 
 # e4m3 -> bf16 for 4 codes in a 32-bit register without the conversion unit: a byte permute
@@ -590,16 +614,12 @@ def _act_quant_kernel(
     cols = tl.program_id(1) * QBLOCK + tl.arange(0, QBLOCK)
     ok = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-    bits = (amax * (1.0 / FP8_MAX)).to(tl.int32, bitcast=True)
-    exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    inv = ((127 - exp) << 23).to(tl.float32, bitcast=True)
-    v = tl.minimum(tl.maximum(x * inv[:, None], -FP8_MAX), FP8_MAX)
+    codes, exp = fp8_quantise(tl.reshape(x, (BLOCK_R, 1, QBLOCK)))
+    codes, exp = tl.reshape(codes, (BLOCK_R, QBLOCK)), tl.reshape(exp, (BLOCK_R,))
     if FAKE:
-        scale = ((exp + 127) << 23).to(tl.float32, bitcast=True)
-        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], (round_to_e4m3(v) * scale[:, None]).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], (codes * pow2(exp)[:, None]).to(q_ptr.dtype.element_ty), mask=ok)
     else:
-        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], round_to_e4m3(v).to(tl.float8e4nv), mask=ok)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], codes.to(tl.float8e4nv), mask=ok)
         tl.store(s_ptr + rows * stride_sm + tl.program_id(1), (exp + 127).to(tl.uint8), mask=rows < M)
 
 
@@ -621,7 +641,7 @@ def fp8_act_fake_quant(x: torch.Tensor, block: int) -> torch.Tensor:
     """x bf16 [..., K] -> its FP8 round trip in bf16 (`quant.fake_quant_act`), one launch: the
     input of an FP8 projection under `fp8_activations` whose GEMM then runs in bf16."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != x2.shape[1]):
+    if x2.stride(-1) != 1:  # (the kernel takes any row stride)
         x2 = x2.contiguous()
     m, k = x2.shape
     out = torch.empty(m, k, dtype=x.dtype, device=x.device)

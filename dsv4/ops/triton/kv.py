@@ -48,9 +48,8 @@ import triton
 import triton.language as tl
 
 from dsv4.cache.storage import CKV_BLOCK, FP8_BLOCK, IDX_BLOCK, QTensor
-from dsv4.ops.triton.fp8_gemm import round_to_e4m3
+from dsv4.ops.triton.fp8_gemm import FP8_MAX, fp8_quantise, pow2, pow2_ceil_exponent, round_to_e4m3
 
-FP8_MAX = tl.constexpr(448.0)  # largest float8_e4m3fn
 FP4_MAX = tl.constexpr(6.0)  # largest e2m1 magnitude
 # Elements of x per program (rows x padded width): 4 rows of 512 (16 per thread with 4 warps),
 # 2048 programs at T = 8192; decode rows get a program each.
@@ -84,19 +83,6 @@ def _load_fp32(ptrs, mask):
 
 
 @triton.jit
-def _pow2_ceil_exponent(t):
-    """ceil(log2(t)) of positive normal fp32 t from its bits (`quant.pow2_ceil_exponent`)."""
-    bits = t.to(tl.int32, bitcast=True)
-    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-
-
-@triton.jit
-def _pow2(e):
-    """2**e as fp32 for integer e in [-126, 127], from the exponent bits (exact)."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e2m1_code(q):
     """e2m1 code of fp32 q: the magnitude code is the number of rounding thresholds reached
     (`>` where a tie goes down to the even code, `>=` where it goes up), bit 3 the sign bit."""
@@ -117,16 +103,6 @@ def _e2m1_value(code):
 
 
 @triton.jit
-def fp8_quantise(x):
-    """FP8 blocks x [rows, blocks, block] (window KV; FP8 activations of the experts) -> (the
-    e4m3 code values in fp32, the ue8m0 exponent per block)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
-    exp = _pow2_ceil_exponent(amax * (1.0 / FP8_MAX))
-    v = x * _pow2(-exp)[:, :, None]  # |v| <= 448 by the exponent's rounding up: no clamp needed
-    return round_to_e4m3(v), exp
-
-
-@triton.jit
 def _fp4_quantise(x, amax, E4M3_SCALE: tl.constexpr):
     """FP4 blocks x [rows, blocks, n] with their amax [rows, blocks] -> (x / scale as the
     reference rounds it, the stored scale, the scale in fp32)."""
@@ -134,8 +110,8 @@ def _fp4_quantise(x, amax, E4M3_SCALE: tl.constexpr):
         scale = round_to_e4m3(tl.minimum(tl.math.div_rn(tl.maximum(amax, FP4_MAX * 2.0**-9), FP4_MAX), FP8_MAX))
         return tl.math.div_rn(x, scale[:, :, None]), scale.to(tl.float8e4nv), scale
     else:
-        exp = _pow2_ceil_exponent(tl.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
-        return x * _pow2(-exp)[:, :, None], (exp + 127).to(tl.uint8), _pow2(exp)
+        exp = pow2_ceil_exponent(tl.maximum(amax, FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
+        return x * pow2(-exp)[:, :, None], (exp + 127).to(tl.uint8), pow2(exp)
 
 
 @triton.jit
@@ -201,7 +177,7 @@ def _round_trip_kernel(
     x = _load_fp32(x_ptr + rows[:, None, None] * stride_x + col, ok)
     if FP8:
         v, exp = fp8_quantise(x)
-        y = v * _pow2(exp)[:, :, None]
+        y = v * pow2(exp)[:, :, None]
     else:
         q, _, scale = _fp4_quantise(x, tl.max(tl.abs(x), axis=2), E4M3_SCALE)
         y = _e2m1_value(_e2m1_code(q)) * scale[:, :, None]

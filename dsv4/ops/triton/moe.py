@@ -49,9 +49,9 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import (
-    dequant_fp8, dequant_rows, dequant_words, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, ptx_convert, wgmma_tile_error,
+    dequant_fp8, dequant_rows, dequant_words, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, fp8_quantise, ptx_convert,
+    wgmma_tile_error,
 )
-from dsv4.ops.triton.kv import fp8_quantise
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
 ALIGN_P_BLOCK = 512  # pairs per chunk of the layout kernel's passes
