@@ -201,11 +201,24 @@ def install(checker: Checker) -> None:
     c.wrap(fp8_gemm, "fp8_act_fake_quant", lambda x, block: quant.fake_quant_act(x, block))
     same_codes = lambda o, r, *a: 0.0 if torch.equal(o[0].view(torch.uint8), r[0].view(torch.uint8)) and torch.equal(o[1], r[1]) else float("inf")
     c.wrap(fp8_gemm, "fp8_act_quant", _act_quant_reference, same_codes)
-    c.wrap(triton_ops, "moe_experts", _moe_reference)
-    c.wrap(triton_ops, "moe_experts_dense", _moe_reference)
+    c.wrap(triton_ops, "moe_experts", _moe_reference, _moe_error)
+    c.wrap(triton_ops, "moe_experts_dense", _moe_reference, _moe_error)
     c.wrap(attention_layer, "linear_fp32", lambda x, w: linear(x.float(), w))
     c.wrap(t_router, "route_scores", moe_ops.route_scores,
            lambda o, r, *a: _rel(o[0], r[0]) if torch.equal(o[1].cpu(), r[1].cpu()) else float("inf"))
+
+
+def _moe_error(out, ref, *args, fp8_act=False, **kwargs):
+    """`_rel`, or with FP8 activations the error's norm relative to the reference's: the
+    kernel and the reference round gate / up in other orders, so now and then an activation
+    sits on the other side of an FP8 rounding boundary, and that one code (an FP8 step, 1/16 of
+    the value, 32 times a bf16 one) moves the outputs more than the largest-element measure
+    allows at the tiny model's few channels; a wrong scale or piece moves the norm as much."""
+    if not fp8_act:
+        return _rel(out, ref)
+    if out.shape != ref.shape or not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def _act_quant_reference(x, block):

@@ -141,8 +141,10 @@ MOE = {
         (48, {"BLOCK_T": 64,
               "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
               "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}),
+        # 8 warps for gate_up: at 4 its 128-row epilogue crashes the device's Triton 3.6 (an
+        # LLVM SLPVectorizer assertion; scripts/check_kernels.py --compile-only under 3.6)
         (None, {"BLOCK_T": 128,
-                "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "STACK": True},
+                "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "STACK": True},
                 "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}}),
     ),
     "ALIGN_MAX_PAIRS": 4096,
