@@ -33,11 +33,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-activations", action=argparse.BooleanOptionalAction, default=False,
                    help="quantise the inputs of the FP8/FP4 GEMMs to FP8 per 32 columns, as DeepSeek's reference does "
                         "(V4.1; FP8 x FP8 expert GEMMs on the fast path); default off: HF's numerics (the golden data)")
+    p.add_argument("--fp4-experts", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep the routed experts FP4 on the GPU as released (half their memory; a slower MoE, the same "
+                        "results); default: converted exactly to FP8 at load")
 
 
 ENGINE_KEYS = ("device", "dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching",
                "swa_bounded_replay", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "max_model_len",
-               "max_prefix_loads_per_step", "seed", "enforce_eager", "fast_path", "async_scheduling", "fp8_activations")
+               "max_prefix_loads_per_step", "seed", "enforce_eager", "fast_path", "async_scheduling", "fp8_activations",
+               "fp4_experts")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -240,13 +240,18 @@ def _w8a16_reference(x, w, s, block, groups=1, x_scale=None):
     return torch.cat([linear(x[..., g * k : (g + 1) * k], dense[g * n : (g + 1) * n]) for g in range(groups)], dim=-1)
 
 
-def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down, out_dtype=torch.float32, fp8_act=False):
-    """The per-expert torch loop on the same FP8 experts, dequantised (dsv4.ops.moe); with
-    fp8_act its Linears quantise their inputs."""
-    inter = w13.shape[1] // 2
+def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down, out_dtype=torch.float32, fp8_act=False, shared=None):
+    """The per-expert torch loop on the same experts (FP8 or compact FP4), dequantised
+    (dsv4.ops.moe), a separate shared expert last; with fp8_act its Linears quantise their
+    inputs."""
     rows = lambda w, s: [Linear(w[e], s[e], 0, row_scales=True, quant_input=fp8_act) for e in range(w.shape[0])]
-    return experts_forward(x, weights, ids, rows(w13[:, :inter], s13[:, :inter]), rows(w2, s2), rows(w13[:, inter:], s13[:, inter:]),
-                           limit, weight_before_down).float().to(out_dtype)
+    w1, wd, w3 = [], [], []
+    for w13, s13, w2, s2 in [(w13, s13, w2, s2)] + ([shared] if shared is not None else []):
+        inter = w13.shape[1] // 2
+        w1 += rows(w13[:, :inter], s13[:, :inter])
+        wd += rows(w2, s2)
+        w3 += rows(w13[:, inter:], s13[:, inter:])
+    return experts_forward(x, weights, ids, w1, wd, w3, limit, weight_before_down).float().to(out_dtype)
 
 
 # The engram references are methods of the layer objects; these call them on a stand-in.

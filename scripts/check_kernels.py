@@ -270,6 +270,20 @@ def moe_data(t: int, seed: int = 0, e: int = 384) -> tuple[torch.Tensor, ...]:
     return x, ids, weights, w13, s13, w2, s2
 
 
+def fp4_stack(w: torch.Tensor) -> torch.Tensor:
+    """FP4-valued FP8 experts [E, rows, inputs] -> the compact FP4 stack (kernel layout) of the
+    same values, expert by expert (the loader's form of the released experts)."""
+    from dsv4.model import quant
+
+    lut = quant.fp4_lut(w.device).to(torch.float8_e4m3fn).view(torch.uint8).long()
+    code_of = torch.zeros(256, dtype=torch.uint8, device=w.device)
+    code_of[lut] = torch.arange(16, dtype=torch.uint8, device=w.device)
+    out = torch.empty(*w.shape[:2], w.shape[2] // 2, dtype=torch.uint8, device=w.device)
+    for i in range(w.shape[0]):
+        out[i] = quant.fp4_kernel_layout(quant.pack_fp4(code_of[w[i].view(torch.uint8).long()]))
+    return out
+
+
 def dense_experts(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor) -> tuple[list, list, list]:
     """bf16 copies of the experts as `Linear`s for the torch reference (exact: FP8 x 2**k)."""
     from dsv4.ops.linear import Linear
@@ -284,7 +298,7 @@ def dense_experts(w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: to
     return [Linear(w13b[i, :inter]) for i in range(e)], [Linear(w2b[i]) for i in range(e)], [Linear(w13b[i, inter:]) for i in range(e)]
 
 
-def moe_case(t: int, data: tuple, dense: tuple) -> None:
+def moe_case(t: int, data: tuple, dense: tuple, fp4s: tuple) -> None:
     from dsv4.ops import moe as moe_ref
     from dsv4.ops.triton import moe
 
@@ -305,6 +319,15 @@ def moe_case(t: int, data: tuple, dense: tuple) -> None:
     if t <= max(SWEEP_TOKENS):  # as decode runs it: from a CUDA graph, each call with its own routing
         calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in moe_routings(t, e, seed=t)]
         record("moe_experts", case, "triton_graph", experts_used=used, **perf(graph_time(calls, reps=5), w_bytes + io, flops, "bf16"))
+    # compact FP4 stacks (the default GPU form): the same values, so the FP8 stacks' bits; half the bytes
+    p13, p2 = fp4s
+    fp4_bytes = used * (3 * inter * d) * (0.5 + 1 / 32)
+    same = torch.equal(moe.moe_experts(xt, it, wt, p13, s13, p2, s2, 10.0, True), moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True))
+    t_4 = median_time(lambda: moe.moe_experts(xt, it, wt, p13, s13, p2, s2, 10.0, True), reps=10)
+    record("moe_experts", case, "triton_fp4", ok=same, same_bits=same, experts_used=used, **perf(t_4, fp4_bytes + io, flops, "bf16"))
+    if t <= max(SWEEP_TOKENS):
+        calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, p13, s13, p2, s2, 10.0, True) for ids, wts in moe_routings(t, e, seed=t)]
+        record("moe_experts", case, "triton_fp4_graph", experts_used=used, **perf(graph_time(calls, reps=5), fp4_bytes + io, flops, "bf16"))
     if t >= 256 and moe.dense_fits(w13):  # the prefill path (where the layer could take it)
         err = norm_err(moe.moe_experts_dense(xt, it, wt, w13, s13, w2, s2, 10.0, True), ref)
         t_d = median_time(lambda: moe.moe_experts_dense(xt, it, wt, w13, s13, w2, s2, 10.0, True), reps=5)
@@ -359,8 +382,9 @@ def moe_prefill_case(t: int, data: tuple) -> None:
 def section_moe() -> None:
     data = moe_data(max(ROWS))
     dense = dense_experts(*data[3:])
+    fp4s = (fp4_stack(data[3]), fp4_stack(data[5]))
     for t in ROWS:
-        guarded("moe_experts", f"T={t}", moe_case, t, data, dense)
+        guarded("moe_experts", f"T={t}", moe_case, t, data, dense, fp4s)
 
 
 def section_moe_prefill() -> None:
@@ -2071,7 +2095,13 @@ def compile_targets() -> list[tuple]:
         for before in (True, False):
             for name, kernel, types, part in (("gate_up", moe._gate_up_kernel, gate_up, cfg["gate_up"]), ("down", moe._down_kernel, down, cfg["down"])):
                 words = moe.MOE["DEQUANT"] == "words" and 128 % part["BLOCK_K"] == 0
-                for variant in ({"WORDS": words, "PAIR_TILES": False}, {"WORDS": not words, "PAIR_TILES": False}, {"WORDS": words, "PAIR_TILES": True}):
+                # FP8 stacks (the FP8-activation loads' and the V4.1 shared expert's: LAST_SLOT) and
+                # compact FP4 stacks (the default), as the launches combine them
+                fp8 = {"FP4": False, "LAST_SLOT": 0}
+                for variant in ({"WORDS": words, "PAIR_TILES": False, **fp8}, {"WORDS": not words, "PAIR_TILES": False, **fp8},
+                                {"WORDS": words, "PAIR_TILES": True, **fp8}, {"WORDS": words, "PAIR_TILES": False, "FP4": False, "LAST_SLOT": 7},
+                                {"WORDS": words, "PAIR_TILES": False, "FP4": True, "LAST_SLOT": 0},
+                                {"WORDS": words, "PAIR_TILES": True, "FP4": True, "LAST_SLOT": 0}):
                     if max_mean != first and (variant["WORDS"] != words or variant["PAIR_TILES"]):
                         continue
                     if variant["WORDS"] and 128 % part["BLOCK_K"]:
@@ -2079,15 +2109,17 @@ def compile_targets() -> list[tuple]:
                     consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True, **variant}
                     if name == "gate_up":
                         consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False))
-                    dequant = "words" if variant["WORDS"] else "bytes"
-                    label = f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} before={before} {dequant}{' pair-tiles' if variant['PAIR_TILES'] else ''}"
-                    out.append((label, kernel, types, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
+                    dequant = ("fp4 " if variant["FP4"] else "") + ("words" if variant["WORDS"] else "bytes")
+                    label = (f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} before={before} {dequant}"
+                             f"{' pair-tiles' if variant['PAIR_TILES'] else ''}{' last-slot' if variant['LAST_SLOT'] else ''}")
+                    out.append((label, kernel, dict(types, w_ptr="*u8:16") if variant["FP4"] else types, consts,
+                                {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     # gate_up with its rows stacked (gate over up in one accumulator), at the decode tile
     cfg = moe.MOE["rows"][0][1]
     part = cfg["gate_up"]
     for pair_tiles in (False, True):
         consts = {"WEIGHT_BEFORE_DOWN": True, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
-                  "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True}
+                  "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True, "FP4": False, "LAST_SLOT": 0}
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
         out.append((label, moe._gate_up_kernel, gate_up, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     # the FP8-activation kernels (fp8_act), every row class

@@ -340,6 +340,7 @@ class BenchOptions:
     cuda_graphs: bool = True  # decode-shaped cases on the fast path: time CUDA-graph replays too
     fast_path: bool | None = None  # None: where it can run (CUDA, bf16, V4.1); True on CPU runs its torch references
     fp8_activations: bool = False  # both paths quantise their FP8/FP4 GEMM inputs (ModelConfig.fp8_activations)
+    fp4_experts: bool = False  # the fast path keeps the experts FP4 (ModelConfig.fp4_experts)
     seed: int = 0
 
 
@@ -453,6 +454,10 @@ def run_bench(opts: BenchOptions, case_texts: list[str], console: Console | None
         if cfg.arch != "v41":
             raise BenchError("--fp8-activations: V4.1 configs only")
         cfg = dataclasses.replace(cfg, fp8_activations=True)
+    if opts.fp4_experts:
+        if opts.fp8_activations:
+            raise BenchError("--fp4-experts: not with --fp8-activations (its expert kernels multiply FP8 weight codes)")
+        cfg = dataclasses.replace(cfg, fp4_experts=True)
     if opts.block_size < 1 or any(opts.block_size % r for r in cfg.compress_ratio_set):
         raise BenchError(f"--block-size must be a positive multiple of every compress ratio {list(cfg.compress_ratio_set)}, got {opts.block_size}")
     cases = parse_cases(case_texts)
@@ -519,8 +524,9 @@ def run_bench(opts: BenchOptions, case_texts: list[str], console: Console | None
         "torch": torch.__version__,
         "fast_path": ("compact FP8 weights" if compact else "dequantised weights") + (", fast path" if fast_on else ", reference ops")
         + (", CUDA graphs (decode buckets, piecewise prefill)" if fast_on and compact and opts.cuda_graphs else "")
-        + (", FP8 activations" if opts.fp8_activations else ""),
+        + (", FP8 activations" if opts.fp8_activations else "") + (", FP4 experts" if opts.fp4_experts else ""),
         "fp8_activations": opts.fp8_activations,
+        "fp4_experts": opts.fp4_experts,
         "block_size": opts.block_size,
         "bounded_replay": opts.bounded_replay,
         "warmup": opts.warmup,
@@ -604,6 +610,8 @@ def register_forward(subparsers) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="cases on the fast path: also time them as CUDA-graph replays (the step time): decode-shaped ones in one graph, others in the two pieces of dsv4.engine.cuda_graphs.PiecewiseGraphs")
     p.add_argument("--fp8-activations", action=argparse.BooleanOptionalAction, default=False,
                    help="quantise the inputs of FP8/FP4 GEMMs to FP8 (DeepSeek's reference numerics; FP8 x FP8 expert GEMMs)")
+    p.add_argument("--fp4-experts", action=argparse.BooleanOptionalAction, default=False,
+                   help="the fast path keeps the routed experts FP4 (half their bytes; the MoE kernels' FP4 variant)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the results here")
     p.set_defaults(func=forward_main)
@@ -615,7 +623,7 @@ def forward_main(args) -> int:
         config=args.config, num_layers=args.num_layers, num_experts=args.num_experts, engram_rows=args.engram_rows,
         dtype=args.dtype, device=args.device, block_size=args.block_size, bounded_replay=args.swa_bounded_replay,
         warmup=args.warmup, iters=args.iters, baseline=args.baseline, breakdown=args.breakdown, cuda_graphs=args.cuda_graphs, fast_path=args.fast_path,
-        fp8_activations=args.fp8_activations, seed=args.seed,
+        fp8_activations=args.fp8_activations, fp4_experts=args.fp4_experts, seed=args.seed,
     )
     try:
         doc = run_bench(opts, args.cases, console)

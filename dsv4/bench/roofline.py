@@ -35,7 +35,8 @@ max(total bytes / HBM_BW, total compute time). What is counted:
 * weights actually touched, read once per step (the batch shares them): every layer's dense
   projections at their stored size (FP8: 1 byte per parameter plus one exponent byte per
   tile; BF16 tensors at the activation dtype's size, as loaded; F32 at 4); routed experts
-  converted to FP8 (1 byte per parameter + 1 exponent byte per 32), only the expected
+  as the fast path keeps them (FP4: half a byte per parameter, or converted to FP8 under FP8
+  activations: 1 byte; + 1 exponent byte per 32), only the expected
   number of distinct experts hit by T tokens choosing k of E uniformly:
   E * (1 - (1 - k/E)^T); `gate.bias_vl` (image tokens only) is never read;
 * gathered rows: embedding rows of every computed token, engram table rows
@@ -238,12 +239,14 @@ class _Sums:
         self.bf16 = dict.fromkeys(COMPONENTS, 0.0)
 
 
-def _tensor_bytes(s: TensorSpec, act: int) -> int:
+def _tensor_bytes(s: TensorSpec, act: int, fp4_kept: bool = False) -> int:
+    """Bytes of a tensor as the fast path holds it; FP4 (routed experts, `fp4_kept`: compact
+    FP4, as stored, else converted to FP8: 1 byte per parameter; the scale is its own entry)."""
     n = math.prod(s.shape)
     if s.fmt in (FP8, SCALE, ENGRAM):
         return n
     if s.fmt == FP4:
-        return 2 * n  # converted to FP8: 1 byte per parameter (its scale is its own entry)
+        return n if fp4_kept else 2 * n
     return n * {"F32": 4, "I64": 8}.get(s.dtypes[0], act)
 
 
@@ -369,7 +372,7 @@ def case_floor(cfg: ModelConfig, case: Case | str, dtype: torch.dtype = torch.bf
             if use == "skip":
                 continue
             if use == "expert":  # expert 0 stands for every expert
-                expert_bytes += _tensor_bytes(t, act)
+                expert_bytes += _tensor_bytes(t, act, cfg.fp4_experts)
                 expert_params += _params(t) if t.fmt != SCALE else 0
                 continue
             if use == "gather":

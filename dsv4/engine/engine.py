@@ -71,7 +71,8 @@ def _kv_budget(cfg: EngineConfig, device: torch.device) -> int:
 class LLMEngine:
     def __init__(self, model_dir: str | Path, *, progress: bool = True, **options):
         self.engine_config = cfg = EngineConfig(**options)
-        self.model_config = mcfg = dataclasses.replace(load_config(model_dir), fp8_activations=cfg.fp8_activations)
+        self.model_config = mcfg = dataclasses.replace(load_config(model_dir), fp8_activations=cfg.fp8_activations,
+                                                                   fp4_experts=cfg.fp4_experts)
         self.device = torch.device(cfg.device)
         dtype = cfg.torch_dtype
         self.tokenizer = load_tokenizer(model_dir)

@@ -100,6 +100,8 @@ class Model:
     def __init__(self, cfg: ModelConfig, weights: dict, *, dtype: torch.dtype, device="cpu", token_map: torch.Tensor | None = None, fast_path: bool | None = None):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.v41 = cfg.arch == "v41"
+        if cfg.fp4_experts and cfg.fp8_activations:
+            raise ValueError("fp4_experts: not with fp8_activations (its expert kernels multiply FP8 weight codes)")
         if cfg.fp8_activations and not self.v41:
             raise ValueError("fp8_activations: supported for V4.1 only (its GEMM inputs are quantised per 32 columns; V4's "
                              "reference blocks are not specified here)")

@@ -116,6 +116,47 @@ def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: int = 32,
     return weight.to(torch.float32) * s
 
 
+# Compact FP4 experts on the GPU (`fp4_kernel_layout`): the checkpoint's e2m1 codes, two per
+# byte, reordered within every 8 inputs (one 4-byte word) so that nibble i of the word holds
+# input 2i and nibble 4 + i input 2i + 1 (i < 4): a right shift by 4i then brings an input pair
+# to the two 16-bit halves where the kernels build its bf16 pair (`fp8_gemm.dequant_fp4_words`).
+_FP4_NIBBLE_INPUT = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a word holds input _FP4_NIBBLE_INPUT[j]
+_FP4_INPUT_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # and input k sits in nibble _FP4_INPUT_NIBBLE[k]
+# The kernels multiply the bf16 pattern of a code (its value x 2**-126) by 2**(byte - 1), a
+# bf16 below 2**128 for exponent bytes up to 128 (2**1; released experts sit near 2**-8).
+FP4_MAX_SCALE_BYTE = 128
+
+
+def fp4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint FP4 [rows, cols/2] (int8/uint8, low nibble = even input) -> uint8 [rows,
+    cols/2] in the kernels' order (above); cols a multiple of 8."""
+    codes = unpack_fp4(packed)
+    rows, cols = codes.shape
+    if cols % 8:
+        raise FormatError(f"FP4 expert rows must hold a multiple of 8 inputs for the kernels' layout, got {cols}")
+    nibbles = codes.view(rows, cols // 8, 8)[:, :, list(_FP4_NIBBLE_INPUT)]
+    return (nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)).reshape(rows, cols // 2)
+
+
+def fp4_codes_from_kernel_layout(stored: torch.Tensor) -> torch.Tensor:
+    """Inverse of `fp4_kernel_layout`: uint8 [rows, cols/2] -> e2m1 codes [rows, cols]."""
+    rows, half = stored.shape
+    nibbles = unpack_fp4(stored).view(rows, half // 4, 8)
+    return nibbles[:, :, list(_FP4_INPUT_NIBBLE)].reshape(rows, 2 * half)
+
+
+def dequant_fp4_kernel_layout(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A compact FP4 expert weight (kernel layout) times its E8M0 scale per 32 inputs -> fp32."""
+    codes = fp4_codes_from_kernel_layout(stored)
+    return fp4_lut(codes.device)[codes.long()] * e8m0_to_float(scale, validate=False).repeat_interleave(32, dim=1)
+
+
+def check_fp4_scales(scale: torch.Tensor, name: str) -> None:
+    """Compact FP4 experts: exponent bytes up to FP4_MAX_SCALE_BYTE (above)."""
+    if bool((e8m0_bytes(scale) > FP4_MAX_SCALE_BYTE).any()):
+        raise FormatError(f"{name}: an FP4 expert scale above 2**{FP4_MAX_SCALE_BYTE - 127} is outside what the compact FP4 kernels take")
+
+
 def fp4_expert_to_fp8(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP4 expert -> FP8 e4m3 codes with the same E8M0 scales (per 32 inputs).
 

@@ -11,7 +11,7 @@ Forms (see `dsv4.model.weights`): F32 tensors fp32; BF16 tensors in `dtype`; `ti
 dense FP8 and FP4 experts either dequantised to `dtype` (`compact=False`, the CPU form) or
 kept compact (`compact=True`: float8_e4m3fn `X.weight` + uint8 exponent bytes `X.scale`, with
 one exponent per weight tile for dense FP8 and one per 32 inputs for experts, already
-converted from FP4); engram tables always compact (FP8 rows + one exponent byte per 32
+converted from FP4, or with `cfg.fp4_experts` random FP4 bytes in the kernels' layout); engram tables always compact (FP8 rows + one exponent byte per 32
 channels).
 
 Values: projections ~N(0, 1/fan_in) (unit-RMS inputs give unit-RMS outputs), embeddings
@@ -29,6 +29,7 @@ import math
 import torch
 
 from dsv4.config import ModelConfig
+from dsv4.model import quant
 from dsv4.model.spec import ENGRAM, FP4, FP8, PLAIN, SCALE, TensorSpec, checkpoint_spec
 
 # Standard deviation of the FP8 codes themselves: well inside e4m3's +-448 (14 sigma), with
@@ -37,6 +38,8 @@ CODE_STD = 32.0
 # Elements generated per randn call: bounds the temporary (bf16) memory of huge tensors
 # (an engram table, a real expert) to 128 MiB.
 CHUNK = 1 << 26
+# RMS of uniformly random e2m1 codes (the compact FP4 experts' random bytes)
+FP4_CODE_RMS = math.sqrt(sum(v * v for v in quant.FP4_VALUES) / len(quant.FP4_VALUES))
 HC_FN_GAIN = 0.1  # hc_*_fn std relative to a projection's 1/sqrt(fan_in)
 
 
@@ -112,7 +115,10 @@ def random_weights(cfg: ModelConfig, *, dtype: torch.dtype, device="cpu", compac
             elif s.fmt == FP8:
                 b = cfg.weight_block_size
                 out[name], out[scale_name] = _compact((rows, cols), (-(-rows // b), -(-cols // b)), std, gen, device)
-            else:  # FP4 expert, converted to FP8 with one exponent per 32 inputs
+            elif cfg.fp4_experts:  # FP4 expert in the kernels' layout: random codes
+                out[name] = torch.randint(0, 256, (rows, cols // 2), generator=gen, device=device, dtype=torch.uint8)
+                out[scale_name] = torch.full((rows, cols // 32), 127 + round(math.log2(std / FP4_CODE_RMS)), dtype=torch.uint8, device=device)
+            else:  # FP4 expert converted to FP8, one exponent per 32 inputs
                 out[name], out[scale_name] = _compact((rows, cols), (rows, cols // 32), std, gen, device)
     return out
 

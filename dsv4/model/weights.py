@@ -15,8 +15,10 @@ Decoded forms (MODEL.md section 4, golden/README.md "Weight storage"):
 * FP8 dense `X.weight` + `X.scale`: dequantised exactly (`fp8 * 2**(e - 127)` per
   `weight_block_size` tile, in fp32, then cast to `dtype`), no `X.scale` entry; with
   `compact=True` the float8_e4m3fn codes and the uint8 exponent bytes are kept as stored.
-* FP4 routed experts: dequantised to `dtype` [out, in]; with `compact=True` converted losslessly
-  to FP8 (float8_e4m3fn [out, in] + uint8 exponents [out, in/32]) for FP8 expert kernels.
+* FP4 routed experts: dequantised to `dtype` [out, in]; with `compact=True` converted
+  losslessly to FP8 (float8_e4m3fn [out, in] + uint8 exponents [out, in/32]) for the FP8
+  expert kernels, or with `cfg.fp4_experts` kept FP4 in the kernels' nibble order (uint8
+  [out, in/2], `quant.fp4_kernel_layout`) + the same exponents.
 * Engram tables (`layers.L.engram.embed.weight` / `.scale`): always kept compact (FP8 rows +
   uint8 exponents per 32 channels): the model gathers a few rows per token and dequantises
   only those; the released tables are about 92 GiB each.
@@ -290,6 +292,10 @@ def _decode(
     if spec.fmt == FP8:
         return {name: quant.dequant_fp8_block(weight, scale, cfg.weight_block_size, base).to(dtype)}
     # FP4 routed expert (the last storage format of spec.py)
+    if compact and cfg.fp4_experts:
+        _check_scale_bytes(scale, scale_name)
+        quant.check_fp4_scales(scale, scale_name)
+        return {name: quant.fp4_kernel_layout(weight), scale_name: quant.e8m0_bytes(scale)}
     if compact:
         _check_scale_bytes(scale, scale_name)
         codes, exps = quant.fp4_expert_to_fp8(weight, scale)
@@ -319,7 +325,8 @@ def load_weights(
 
     `dtype` is the floating dtype of BF16 tensors and of dequantised FP8/FP4 weights; F32
     tensors stay fp32. `compact=True` keeps dense FP8 weights as stored and converts FP4
-    experts to FP8 (each with a uint8 `X.scale` entry). Raises CheckpointError listing every
+    experts to FP8 (kept FP4 in the kernels' layout with `cfg.fp4_experts`), each with a
+    uint8 `X.scale` entry. Raises CheckpointError listing every
     problem (inventory mismatches, damaged files, E8M0 NaN scales)."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")

@@ -55,7 +55,8 @@ def quantise_input(x: torch.Tensor) -> torch.Tensor:
 class Linear:
     """One projection `y = x @ W^T`, W either in the compute dtype or FP8 with E8M0 scales:
     one per `block` x `block` tile (dense projections), or with `row_scales=True` one per 32
-    inputs of a row (routed experts converted exactly from FP4). `quant_input`: the weight is
+    inputs of a row (routed experts: FP8 converted exactly from FP4, or compact FP4 itself,
+    uint8 [out, in/2] in `quant.fp4_kernel_layout`). `quant_input`: the weight is
     FP8/FP4 in the checkpoint and the model runs FP8 activations, so x is quantised first
     (`quantise_input`; the loader may have dequantised the weight itself)."""
 
@@ -72,6 +73,8 @@ class Linear:
         check and no host synchronisation here)."""
         if self.scale is None:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        if self.weight.dtype == torch.uint8:  # compact FP4 expert rows
+            return quant.dequant_fp4_kernel_layout(self.weight, self.scale).to(dtype)
         if self.weight.is_cuda and dtype == torch.bfloat16:  # one kernel, no fp32 temporaries
             from dsv4.ops.triton import fp8_gemm
 

@@ -1,5 +1,6 @@
 """Checkpoint loading: golden sets, exact decoding, compact forms and every corruption case."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv4.config import load_config
+from dsv4.model import quant
 from dsv4.model.spec import ENGRAM, FP4, FP8, PLAIN, checkpoint_spec
 from dsv4.model.weights import INDEX_FILE, CheckpointError, load_weights
 
@@ -36,8 +38,8 @@ def _write(folder: Path, golden_set: str, tensors: dict) -> Path:
     return folder
 
 
-def _load(folder, **kw) -> dict:
-    return load_weights(folder, load_config(folder), dtype=kw.pop("dtype", torch.float32), progress=False, **kw)
+def _load(folder, cfg=None, **kw) -> dict:
+    return load_weights(folder, cfg or load_config(folder), dtype=kw.pop("dtype", torch.float32), progress=False, **kw)
 
 
 def _exp2(byte) -> float:
@@ -150,6 +152,11 @@ def test_compact_mode_is_the_exact_fp8_form(name):
     assert s.dtype == torch.uint8 and s.shape == (inter, d // 32)
     assert torch.equal(w.float() * torch.exp2(s.float() - 127).repeat_interleave(32, 1), full[f"{expert}.weight"])
     assert f"{dense}.scale" not in full and f"{expert}.scale" not in full
+    # fp4_experts: the released FP4 bytes kept, in the kernels' layout, with the same exponents
+    kept = _load(folder, compact=True, cfg=dataclasses.replace(cfg, fp4_experts=True)).tensors
+    w4, s4 = kept[f"{expert}.weight"], kept[f"{expert}.scale"]
+    assert w4.dtype == torch.uint8 and w4.shape == (inter, d // 2) and torch.equal(s4, s)
+    assert torch.equal(quant.dequant_fp4_kernel_layout(w4, s4), full[f"{expert}.weight"])
 
 
 def test_v4_hash_routing_table_is_int64():

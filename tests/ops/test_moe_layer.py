@@ -69,3 +69,37 @@ def test_grouped_moe_with_the_shared_expert_folded_in_matches_the_reference(monk
     small = MoE(compact, "ffn.", cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, False)
     assert not small.dense_fits
     assert torch.equal(small(x, ids), got) and calls == ["dense"]
+
+
+def test_compact_fp4_experts_give_the_fp8_stacks_bits(monkeypatch):
+    """The loader's default GPU form: FP4 experts in the kernels' layout, the FP8 shared expert
+    as a separate stack of one. Same values as the FP8 conversion, so the same bits through
+    the grouped and the dense paths; the per-expert torch path (non-bf16 activations) agrees
+    with the reference too."""
+    cfg = parse_config(tiny_config("v41"))
+    g = torch.Generator().manual_seed(11)
+    fp8_compact, dense = _weights(cfg, g)
+    fp4_compact = dict(fp8_compact)
+    for i in range(cfg.n_routed_experts):
+        for name in ("w1", "w2", "w3"):
+            key = f"ffn.experts.{i}.{name}"
+            rows, cols = fp8_compact[key + ".weight"].shape
+            packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+            fp4_compact[key + ".weight"] = quant.fp4_kernel_layout(packed)
+            fp8_compact[key + ".weight"] = quant.fp4_expert_to_fp8(packed, fp8_compact[key + ".scale"])[0]
+            dense[key + ".weight"] = quant.dequant_fp4_expert(packed, fp8_compact[key + ".scale"]).bfloat16()
+    x = (torch.randn(9, cfg.hidden_size, generator=g) * 2).bfloat16()
+    ids = torch.zeros(9, dtype=torch.long)
+    want = MoE(dense, "ffn.", cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, False)(x, ids)
+    monkeypatch.setattr(dsv4.ops, "TRITON_ON_CPU", True)
+    make = lambda w: MoE(w, "ffn.", cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, False)
+    fp8, fp4 = make(fp8_compact), make(fp4_compact)
+    assert fp4.grouped[0].dtype == torch.uint8 and fp4.grouped[0].shape[0] == cfg.n_routed_experts
+    assert fp4.shared_grouped[0].dtype == torch.float8_e4m3fn and fp4.shared_id == cfg.n_routed_experts
+    got = fp4(x, ids)
+    assert torch.equal(got, fp8(x, ids))
+    assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    monkeypatch.setattr("dsv4.model.layers.moe.DENSE_EXPERT_PAIRS", 0)
+    assert torch.equal(fp4(x, ids), fp8(x, ids))
+    per_expert = fp4(x.float(), ids)  # fp32 activations: the torch loop over the dequantised experts
+    assert (per_expert.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()

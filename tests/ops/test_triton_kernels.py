@@ -453,6 +453,76 @@ def test_moe_experts_matches_reference(weight_before_down, t, top_k, n_exp):
         assert (y.cpu() - ref).abs().max() <= 3 * BF16_REL * ref.abs().max()
 
 
+def _fp4_experts(e: int, d: int, inter: int, g: torch.Generator):
+    """Random FP4 experts, compact (kernel layout) and their exact FP8 conversion, + scales."""
+    p13 = torch.randint(0, 256, (e, 2 * inter, d // 2), generator=g, dtype=torch.uint8)
+    p2 = torch.randint(0, 256, (e, d, inter // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(121, 126, (e, 2 * inter, d // 32), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 123, (e, d, inter // 32), generator=g, dtype=torch.uint8)
+    kept = [torch.stack([quant.fp4_kernel_layout(w) for w in p]) for p in (p13, p2)]
+    fp8 = [torch.stack([quant.fp4_expert_to_fp8(w, s)[0] for w, s in zip(p, sc)]) for p, sc in ((p13, s13), (p2, s2))]
+    return (kept[0], s13, kept[1], s2), (fp8[0], s13, fp8[1], s2)
+
+
+@pytest.mark.parametrize("weight_before_down", [True, False])
+# the row classes of test_moe_experts_matches_reference (pair tiles, the layout, row tiles 16, 64, 128)
+@pytest.mark.parametrize("t,top_k,n_exp", [(3, 2, 8), (6, 2, 16), (5, 3, 8), (40, 2, 4), (60, 2, 2)])
+def test_moe_experts_fp4_give_the_bits_of_their_fp8_conversion(weight_before_down, t, top_k, n_exp):
+    """Compact FP4 stacks dequantise in the kernels to the same bf16 values as their FP8
+    conversion, so every row class gives the FP8 kernels' bits; with V4.1's shared expert as
+    a separate FP8 stack of one (every token's last slot) the bits of the FP8 stack that holds
+    it as its last expert — grouped and dense (prefill) paths alike."""
+    d, inter, limit = 64, 96, 10.0
+    g = _gen(t * 13 + top_k)
+    x = (torch.randn(t, d, generator=g) * 2).bfloat16()
+    fp4, fp8 = _fp4_experts(n_exp, d, inter, g)
+    shared = _experts(1, d, inter, g)
+    scores = moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g))
+    weights, ids = moe_ref.route(scores, torch.zeros(n_exp), top_k, None, 1.5, True)
+    dev = lambda ts: [a.to(DEVICE) for a in ts]
+    x, ids, weights = dev((x, ids, weights))
+    want = moe.moe_experts(x, ids, weights, *dev(fp8), limit, weight_before_down)
+    assert torch.equal(moe.moe_experts(x, ids, weights, *dev(fp4), limit, weight_before_down), want)
+    ids_s = torch.cat([ids, torch.full_like(ids[:, :1], n_exp)], 1)
+    weights_s = torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
+    with_shared = dev(torch.cat([a, b]) for a, b in zip(fp8, shared))
+    for kernel in (moe.moe_experts, moe.moe_experts_dense):
+        want = kernel(x, ids_s, weights_s, *with_shared, limit, weight_before_down, torch.bfloat16)
+        got = kernel(x, ids_s, weights_s, *dev(fp4), limit, weight_before_down, torch.bfloat16, shared=tuple(dev(shared)))
+        assert torch.equal(got, want), kernel.__name__
+
+
+def test_moe_experts_fp4_reject_bad_stacks():
+    g = _gen(4)
+    fp4, fp8 = _fp4_experts(2, 64, 96, g)
+    shared = _experts(1, 64, 96, g)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    ids, weights = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with pytest.raises(TypeError, match="both alike"):
+        moe.moe_experts(x, ids, weights, fp4[0], fp4[1], fp8[2], fp8[3], 10.0, True)
+    with pytest.raises(ValueError, match="compact FP4 experts only"):
+        moe.moe_experts(x, ids, weights, *fp8, 10.0, True, shared=shared)
+    with pytest.raises(ValueError, match="one FP8 expert"):
+        moe.moe_experts(x, ids, weights, *fp4, 10.0, True, shared=tuple(fp4))
+    with pytest.raises(ValueError, match="FP8 activations run FP8 expert stacks"):
+        moe.moe_experts(x, ids, weights, *fp4, 10.0, True, fp8_act=True)
+    with pytest.raises(ValueError, match="shapes"):
+        moe.moe_experts(x, ids, weights, fp4[0][:, :, :16], fp4[1], fp4[2], fp4[3], 10.0, True)
+    with pytest.raises(quant.FormatError, match="outside what the compact FP4 kernels take"):
+        quant.check_fp4_scales(torch.tensor([[119, quant.FP4_MAX_SCALE_BYTE + 1]], dtype=torch.uint8), "w.scale")
+
+
+def test_dequant_fp4_matches_the_checkpoint_decoding():
+    g = _gen(8)
+    for n, k in ((5, 64), (33, 288), (2, 32)):
+        packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        scale = torch.randint(100, quant.FP4_MAX_SCALE_BYTE + 1, (n, k // 32), generator=g, dtype=torch.uint8)
+        kept = quant.fp4_kernel_layout(packed)
+        assert torch.equal(quant.fp4_codes_from_kernel_layout(kept), quant.unpack_fp4(packed))
+        want = quant.dequant_fp4_expert(packed, scale).bfloat16()
+        assert torch.equal(fp8_gemm.dequant_fp4(kept.to(DEVICE), scale.to(DEVICE)).cpu(), want)
+
+
 def _exact_experts(e: int, d: int, inter: int, g: torch.Generator):
     """Experts whose FP8 x FP8 products sum exactly in fp32 in any order (few significant bits,
     two scales per matrix): a kernel and the reference then see the same bf16 gate / up."""

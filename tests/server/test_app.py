@@ -313,6 +313,6 @@ def test_serve_flags():
     options = engine_options(args)
     expected = {flag[2:].replace("-", "_"): value for flag, (_, value) in given.items()}
     assert options == {**expected, "enable_prefix_caching": False, "swa_bounded_replay": False, "enforce_eager": True, "fast_path": False,
-                       "async_scheduling": True, "fp8_activations": True}
+                       "async_scheduling": True, "fp8_activations": True, "fp4_experts": False}
     assert set(options) == {f.name for f in dataclasses.fields(EngineConfig)}
     assert (args.served_model_name, args.api_key, args.port) == ("x", "k", 9000)

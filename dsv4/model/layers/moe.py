@@ -1,11 +1,13 @@
 """The MoE feed-forward of a layer: router (fp32 with gate_temp on V4.1, activation dtype on
 V4; hash-routed on V4's first layers), routed experts and the shared expert.
 
-On the GPU (compact FP8 weights) the routed experts are stacked for the grouped Triton kernel,
-and on V4.1 the shared expert joins them as one more expert that every token takes with
-weight 1: the kernel then computes it exactly as the reference does (bf16 gate/up, clamped
-SwiGLU in fp32, bf16 activation, bf16 output added last to the fp32 sum of the routed ones)
-in the same launches, instead of two more projections and the SwiGLU's elementwise ops."""
+On the GPU (compact weights) the routed experts are stacked for the grouped Triton kernels —
+converted to FP8, or FP4 as the checkpoint holds them (`ModelConfig.fp4_experts`) — and on V4.1 the shared expert
+joins them as one more expert that every token takes with weight 1 (FP8: the last expert of
+an FP8 stack, or a stack of one beside an FP4 stack, run by the same kernels over the same
+buffers): the kernels then compute it exactly as the reference does (bf16 gate/up, clamped
+SwiGLU in fp32, bf16 activation, bf16 output added last to the fp32 sum of the routed ones),
+instead of two more projections and the SwiGLU's elementwise ops."""
 
 from __future__ import annotations
 
@@ -46,22 +48,29 @@ class MoE:
         def lin(name, row_scales=False):
             return Linear(w[name + ".weight"], w.get(name + ".scale"), b, row_scales, quant_input=cfg.fp8_activations)
 
-        # routed experts arrive FP4-converted-to-FP8 with a scale per 32 inputs when compact
+        # compact routed experts: FP8 converted from FP4 (FP4 in the kernels' layout with fp4_experts), a scale per 32 inputs
         w1 = [lin(f"{prefix}experts.{e}.w1", True) for e in range(n_experts)]
         w2 = [lin(f"{prefix}experts.{e}.w2", True) for e in range(n_experts)]
         w3 = [lin(f"{prefix}experts.{e}.w3", True) for e in range(n_experts)]
         self.s1, self.s2, self.s3 = (lin(f"{prefix}shared_experts.{n}") for n in ("w1", "w2", "w3"))
         self.experts = (w1, w2, w3)
         self.grouped = None
+        self.shared_grouped = None  # compact FP4 stacks: the FP8 shared expert as a stack of one
         self.shared_in_grouped = False
+        self.shared_id = None  # the expert id the kernels give the shared expert (every token's last slot)
         if w1[0].scale is not None and on_triton(w1[0].weight):
-            # compact FP8 experts on the GPU: stacked once for the grouped Triton kernels (the
-            # stacked copies replace the per-expert tensors)
-            if self.v41 and self.s1.scale is not None and self.s1.weight.shape == w1[0].weight.shape and b % 32 == 0:
-                w1, w3, w2 = w1 + [Linear(self.s1.weight, _row_scales(self.s1), 0, True)], w3 + [Linear(self.s3.weight, _row_scales(self.s3), 0, True)], \
-                    w2 + [Linear(self.s2.weight, _row_scales(self.s2), 0, True)]
-                self.shared_in_grouped = True
+            # compact experts on the GPU (FP8, or FP4 with fp4_experts): stacked once for
+            # the grouped Triton kernels (the stacked copies replace the per-expert tensors)
+            fp4 = w1[0].weight.dtype == torch.uint8
+            if self.v41 and self.s1.scale is not None and self.s1.weight.shape == (w1[0].weight.shape[0], cfg.hidden_size) and b % 32 == 0:
+                shared = [Linear(lin.weight, _row_scales(lin), 0, True) for lin in (self.s1, self.s3, self.s2)]
+                self.shared_in_grouped, self.shared_id = True, n_experts
                 self.s1 = self.s2 = self.s3 = None
+                if fp4:  # FP8 weights cannot join an FP4 stack: the kernels take them as `shared`
+                    self.shared_grouped = (torch.cat([shared[0].weight, shared[1].weight])[None], torch.cat([shared[0].scale, shared[1].scale])[None],
+                                           shared[2].weight[None], shared[2].scale[None])
+                else:
+                    w1, w3, w2 = w1 + shared[:1], w3 + shared[1:2], w2 + shared[2:]
             self.grouped = (
                 torch.stack([torch.cat([a.weight, c.weight]) for a, c in zip(w1, w3)]),
                 torch.stack([torch.cat([a.scale, c.scale]) for a, c in zip(w1, w3)]),
@@ -74,21 +83,24 @@ class MoE:
             self.dense_fits = dense_fits(self.grouped[0])
 
     def _unstacked(self) -> tuple[list, list, list]:
-        """Per-expert views (w1, w2, w3) of the stacked GPU weights (the per-expert torch path,
-        for activations other than bf16)."""
+        """Per-expert views (w1, w2, w3) of the stacked GPU weights, the shared expert last when
+        the kernels take it (the per-expert torch path, for activations other than bf16)."""
         if self.experts is not None:
             return self.experts
-        w13, s13, w2, s2 = self.grouped
-        inter = w13.shape[1] // 2
         rows = lambda w, s: [Linear(w[e], s[e], 0, True, quant_input=self.cfg.fp8_activations) for e in range(w.shape[0])]
-        return rows(w13[:, :inter], s13[:, :inter]), rows(w2, s2), rows(w13[:, inter:], s13[:, inter:])
+        w1, w2, w3 = [], [], []
+        for w13, s13, wd, sd in [self.grouped] + ([self.shared_grouped] if self.shared_grouped is not None else []):
+            inter = w13.shape[1] // 2
+            w1 += rows(w13[:, :inter], s13[:, :inter])
+            w2 += rows(wd, sd)
+            w3 += rows(w13[:, inter:], s13[:, inter:])
+        return w1, w2, w3
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, trace: dict | None = None, tag: str = "") -> torch.Tensor:
         cfg = self.cfg
         if self.v41:  # learned routing only; the shared expert joins as the last slot when it is in the stack
-            shared_id = self.grouped[0].shape[0] - 1 if self.shared_in_grouped else None
             weights, indices = moe_ops.route_scores(x, self.gate, self.bias, self.top_k, cfg.gate_temp,
-                                                    cfg.routed_scaling_factor, cfg.norm_topk_prob, shared_id)
+                                                    cfg.routed_scaling_factor, cfg.norm_topk_prob, self.shared_id)
             if trace is not None:
                 trace.setdefault(f"{tag}.experts", []).append(indices[:, : self.top_k].sort(dim=-1).values)
         else:
@@ -98,7 +110,7 @@ class MoE:
             if trace is not None and fixed is None:
                 trace.setdefault(f"{tag}.experts", []).append(indices.sort(dim=-1).values)
             weights = weights.float()
-        experts = self.grouped[0].shape[0] if self.grouped is not None else len(self.experts[0])
+        experts = self.grouped[0].shape[0] + (self.shared_grouped is not None) if self.grouped is not None else len(self.experts[0])
         if self.grouped is not None and x.dtype == torch.bfloat16:
             from dsv4.ops.triton import moe_experts, moe_experts_dense
 
@@ -107,7 +119,8 @@ class MoE:
             # with the shared expert in the stack the sum is the layer's output: rounded to the
             # activation dtype in the kernel
             out_dtype = x.dtype if self.shared_in_grouped else torch.float32
-            routed = grouped(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41, out_dtype, fp8_act=cfg.fp8_activations)
+            routed = grouped(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41, out_dtype, fp8_act=cfg.fp8_activations,
+                             shared=self.shared_grouped)
         else:
             routed = moe_ops.experts_forward(x, weights, indices, *self._unstacked(), cfg.swiglu_limit, self.v41)
         if self.shared_in_grouped:

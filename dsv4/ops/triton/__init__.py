@@ -4,7 +4,7 @@ checked against it: on CPU at small shapes with TRITON_INTERPRET=1
 
 * `fp8_linear` (`fp8_gemm`): FP8 block-scaled projection, weight-only (decode) or FP8 x FP8
   with activation quantisation (prefill); reference `ops.linear.Linear`.
-* `moe_experts` (`moe`): routed experts as two grouped FP8-weight GEMMs with the clamped SwiGLU
+* `moe_experts` (`moe`): routed experts as two grouped FP4- or FP8-weight GEMMs with the clamped SwiGLU
   fused (decode), and `moe_experts_dense`: grouped bf16 GEMMs over the experts dequantised in
   one pass (prefill); reference `ops.moe.experts_forward`.
 * `sparse_attention` (`attention`): sparse MQA over the FP8 window ring and the FP4 paged

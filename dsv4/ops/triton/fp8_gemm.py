@@ -170,6 +170,53 @@ def dequant_words(words, scale_byte):
     return w16 * scale[:, None]
 
 
+# e2m1 -> bf16 for the 8 codes of a 32-bit word (`quant.fp4_kernel_layout`: nibble i holds
+# input 2i and nibble 4 + i input 2i + 1, i < 4): shifted right by 4i, the word has the pair's
+# two codes at bits 0..3 and 16..19; shifted left by 12 and by 6 and masked, each code's sign
+# sits at a bf16 sign bit and its exponent and mantissa bits at the exponent's two low bits and
+# the mantissa's top bit: a bf16 pair whose values are the e2m1 values times 2**-126 (the
+# subnormal code 0.5 lands on the bf16 subnormal 2**-127). One bf16x2 multiply by the row's
+# scale times 2**126 (the second operand, its bits in both halves) makes them exact: no
+# conversion unit, and the FP8 permute's instruction count per input.
+def _e2m1_pair_ptx(i: int) -> str:
+    """PTX of output pair i of `_E2M1_TO_BF16_PTX` (input $4, scale pair $5)."""
+    shifted = "$4" if i == 0 else "r"
+    shift = "" if i == 0 else f"shr.u32 r, $4, {4 * i};\n"
+    return (f"{shift}shl.b32 a, {shifted}, 12;\nshl.b32 b, {shifted}, 6;\nand.b32 a, a, 0x80008000;\n"
+            f"and.b32 b, b, 0x01C001C0;\nor.b32 a, a, b;\nmul.rn.bf16x2 ${i}, a, $5;\n")
+
+
+_E2M1_TO_BF16_PTX = tl.constexpr("{\n.reg .b32 r, a, b;\n" + "".join(_e2m1_pair_ptx(i) for i in range(4)) + "}")
+
+
+@triton.jit
+def _e2m1_pair_bits(words, i: tl.constexpr):
+    """The bf16 bit pair (inputs 2i, 2i + 1; values x 2**-126) of each word: the PTX above in
+    Triton ops, for the interpreter."""
+    r = words >> (4 * i)
+    return ((r << 12) & -2147450880) | ((r << 6) & 0x01C001C0)  # -2147450880: the mask 0x80008000 as int32
+
+
+@triton.jit
+def dequant_fp4_words(words, scale_byte, PTX: tl.constexpr):
+    """int32 [R, C] of 8 e2m1 codes each (`quant.fp4_kernel_layout`) times 2**(scale_byte -
+    127) per row (int32 [R], at most `quant.FP4_MAX_SCALE_BYTE`: the multiplier 2**(scale_byte
+    - 1) must be a finite bf16) -> bf16 [R, 8C] in input order, exact (`_E2M1_TO_BF16_PTX`)."""
+    if PTX:
+        scale = (scale_byte + 126) << 7  # bf16 bits of 2**(scale_byte - 1), in both halves
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r", [words, ((scale << 16) | scale)[:, None]],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        pairs = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1]))
+        even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        out = tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
+    else:  # fp32 views of the bit pairs (numpy's fp32 keeps subnormals; its bf16 is not IEEE)
+        o0, o1, o2, o3 = _e2m1_pair_bits(words, 0), _e2m1_pair_bits(words, 1), _e2m1_pair_bits(words, 2), _e2m1_pair_bits(words, 3)
+        pairs = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1]))
+        lo, hi = (pairs << 16).to(tl.float32, bitcast=True), ((pairs >> 16) << 16).to(tl.float32, bitcast=True)
+        out = (tl.reshape(tl.join(lo, hi), (words.shape[0], 8 * words.shape[1])) * pow2(scale_byte - 1)[:, None]).to(tl.bfloat16)
+    return out
+
+
 # Knobs of the weight-only kernel (scripts/check_kernels.py's `gemm_sweep` section times
 # alternatives on the device and prints the best per shape).
 #
@@ -594,6 +641,45 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bo
     _dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_c))](
         w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0),
         QROWS=qrows, QCOLS=qcols, BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=8,
+    )
+    return out
+
+
+@triton.jit
+def _dequant_fp4_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                        PTX: tl.constexpr):
+    """out [BLOCK_R, BLOCK_C] tile of a compact FP4 weight (kernel layout, K a multiple of 32):
+    each 32 inputs are 4 int32 words and one scale byte, viewed as BLOCK_R * BLOCK_C / 32 rows
+    for `dequant_fp4_words`."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pieces = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    words = tl.program_id(1) * (BLOCK_C // 8) + tl.arange(0, BLOCK_C // 8)
+    r_ok = rows < N
+    w_rows = (w_ptr + rows.to(tl.int64)[:, None] * stride_wn).to(tl.pointer_type(tl.int32), bitcast=True)
+    w = tl.load(w_rows + words[None, :], mask=r_ok[:, None] & (words < K // 8)[None, :], other=0)
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + pieces[None, :], mask=r_ok[:, None] & (pieces < K // 32)[None, :], other=127)
+    out = dequant_fp4_words(tl.reshape(w, (BLOCK_R * (BLOCK_C // 32), 4)), tl.reshape(s, (BLOCK_R * (BLOCK_C // 32),)).to(tl.int32), PTX)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], tl.reshape(out, (BLOCK_R, BLOCK_C)),
+             mask=r_ok[:, None] & (cols < K)[None, :])
+
+
+def dequant_fp4(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Compact FP4 expert weight uint8 [N, K/2] (`quant.fp4_kernel_layout`) with an E8M0 byte
+    per 32 inputs [N, K/32] -> bf16 [N, K] (into `out` when given), exactly
+    `quant.dequant_fp4_kernel_layout`: the dense prefill MoE dequantises FP4 experts with it."""
+    n, half = w.shape
+    k = 2 * half
+    scale = quant.e8m0_bytes(scale)
+    if w.dtype != torch.uint8 or k % 32 or tuple(scale.shape) != (n, k // 32) or w.stride(1) != 1 or w.stride(0) % 4:
+        raise ValueError(f"dequant_fp4: weight uint8 [N, K/2] (K a multiple of 32, rows 4-byte aligned) with scales [N, K/32], got {w.dtype} {list(w.shape)}, {list(scale.shape)}")
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
+    if out.shape != (n, k) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"dequant_fp4: out must be bf16 {[n, k]} with unit last stride, got {out.dtype} {list(out.shape)}")
+    block_c = 256
+    _dequant_fp4_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_c))](
+        w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0), BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=8,
     )
     return out
 

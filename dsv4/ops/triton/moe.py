@@ -10,7 +10,10 @@ Same semantics as `dsv4.ops.moe.experts_forward` with the weights stacked per la
 
 w13 holds w1 (gate) in rows 0..I-1 and w3 (up) in rows I..2I-1; the scales are E8M0 exponent
 bytes, one per 32 inputs of a row — the exact FP4 -> FP8 conversion of the released experts
-(`quant.fp4_expert_to_fp8`). A routing weight of a token is applied before the down projection
+(`quant.fp4_expert_to_fp8`), or the released FP4 codes themselves (uint8 [E, 2I, D/2] and
+[E, D, I/2], `quant.fp4_kernel_layout`, `ModelConfig.fp4_experts`: half the memory; the
+kernels dequantise them to the same bf16 values, so the same results, more slowly), then with
+V4.1's FP8 shared expert as `shared`. A routing weight of a token is applied before the down projection
 (V4.1, `weight_before_down`) or to its output (V4); the result is the fp32 sum over the k
 experts in ascending expert id, as the reference accumulates. (V4's reference accumulates in
 bf16; here the sum is fp32 and the caller casts.)
@@ -44,13 +47,15 @@ Expert ids must be in [0, E) (no expert-parallel "not local" marker yet).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import (
-    dequant_fp8, dequant_rows, dequant_words, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, fp8_quantise, ptx_convert,
-    wgmma_tile_error,
+    dequant_fp4, dequant_fp4_words, dequant_fp8, dequant_rows, dequant_words, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant,
+    fp8_quantise, ptx_convert, wgmma_tile_error,
 )
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
@@ -126,7 +131,7 @@ MOE = {
         }),
     ),
     # the FP8-activation kernels (`fp8_act`): the same classes; no dequantisation, so the
-    # per-piece product (an fp32 tile next to the accumulator) is what bounds the tiles: from 48
+    # per-piece product (an fp32 tile next to the accumulator) is what bounds the tiles: from 17
     # pairs per expert the down tile is 64 rows and gate_up stacks (no spills on sm_90)
     "fp8_rows": (
         (1, {"BLOCK_T": 16,
@@ -138,14 +143,11 @@ MOE = {
         (16, {"BLOCK_T": 32,
               "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "STACK": True},
               "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}),
-        (48, {"BLOCK_T": 64,
-              "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
-              "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}),
-        # 8 warps for gate_up: at 4 its 128-row epilogue crashes the device's Triton 3.6 (an
-        # LLVM SLPVectorizer assertion; scripts/check_kernels.py --compile-only under 3.6)
-        (None, {"BLOCK_T": 128,
-                "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "STACK": True},
-                "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}}),
+        # from 17 pairs per expert on: 64-row tiles (128-row ones crash the device's Triton 3.6
+        # at 4 warps, an LLVM SLPVectorizer assertion, and spill at 8; --compile-only under 3.6)
+        (None, {"BLOCK_T": 64,
+                "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
+                "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}),
     ),
     "ALIGN_MAX_PAIRS": 4096,
     "PAIR_TILES_MAX_PAIRS": 8,
@@ -166,6 +168,17 @@ def _scale_byte(scale_word, k0, j: tl.constexpr, BLOCK_K: tl.constexpr):
     else:
         shift = 8 * ((k0 // _PIECE) % 4 + j)
     return (scale_word >> shift) & 0xFF
+
+
+@triton.jit
+def _piece_scale(scale_word, scale_ptrs, ok, k0, j: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+    """int32 [R] scale bytes of piece j of the K step at k0: from the rows' scale words
+    (WORDS), else loaded byte by byte (0 where not ok)."""
+    if WORDS:
+        sb = _scale_byte(scale_word, k0, j, BLOCK_K)
+    else:
+        sb = tl.load(scale_ptrs, mask=ok, other=0).to(tl.int32)
+    return sb
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_experts", "n_tiles"])
@@ -221,13 +234,21 @@ def _align_kernel(
 
 
 @triton.jit
-def _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T: tl.constexpr, PAIR_TILES: tl.constexpr):
+def _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T: tl.constexpr, PAIR_TILES: tl.constexpr, LAST_SLOT: tl.constexpr):
     """-> (expert of row tile pid_t as int64, its BLOCK_T pair indices, n_pairs for padding).
-    PAIR_TILES: tile p holds pair p alone and tile_expert_ptr is the flat topk_ids."""
-    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
-    if PAIR_TILES:
+    PAIR_TILES: tile p holds pair p alone and tile_expert_ptr is the flat topk_ids.
+    LAST_SLOT (k, the pairs per token; 0: off): the launch's one expert (index 0 of its
+    weights) takes every token's last slot, tile p tokens p * BLOCK_T .. — the shared expert
+    of FP4 layers, whose weights are FP8 (no layout needed: its pairs are known)."""
+    if LAST_SLOT:
+        e = pid_t.to(tl.int64) * 0
+        token = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        pair = tl.where(token < n_pairs // LAST_SLOT, token * LAST_SLOT + LAST_SLOT - 1, n_pairs)
+    elif PAIR_TILES:
+        e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
         pair = tl.where(tl.arange(0, BLOCK_T) == 0, pid_t, n_pairs)
     else:
+        e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
         pair = tl.load(rows_ptr + pid_t * BLOCK_T + tl.arange(0, BLOCK_T))
     return e, pair
 
@@ -290,21 +311,25 @@ def _gate_up_kernel(
     limit,
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr,
+    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
     transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`).
     WORDS: weights and scales read as int32 words (`MOE["DEQUANT"]`; EVEN_K and D % 128 == 0).
     STACK: the program's BLOCK_N weight rows are BLOCK_N / 2 gate rows over the same up rows,
     one accumulator split in two for the SwiGLU (half the work per program, twice the
-    programs); else BLOCK_N gate rows and BLOCK_N up rows in two accumulators."""
+    programs); else BLOCK_N gate rows and BLOCK_N up rows in two accumulators.
+    FP4: the weights are compact FP4 (`quant.fp4_kernel_layout`, uint8 [E, rows, inputs / 2]),
+    read as int32 words of 8 codes and dequantised exactly by `fp8_gemm.dequant_fp4_words` —
+    the same bf16 values as their FP8 conversion, so the same products and bits; WORDS then
+    only says that the scales are read as words. LAST_SLOT: see `_tile_pairs`."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     # int64: an expert's offset e * stride_we passes 2**31 from expert 91 on at V4.1's shapes
     # (w13: 2 * 2304 * 5120 bytes per expert), and the launch passes the stride as i32 (its
     # value fits); in int32 the product wraps, and the program reads another expert's rows or
     # faults. The activation rows get int64 offsets for the same reason at large prefill chunks.
-    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES)
+    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES, LAST_SLOT)
     if e >= n_experts:
         return
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -320,10 +345,11 @@ def _gate_up_kernel(
     up_scales = gate_scales + I * stride_sn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    if WORDS:
-        rq = tl.arange(0, _PIECE // 4)
+    if WORDS or FP4:
+        rq = tl.arange(0, _PIECE // (8 if FP4 else 4))
         gate_words = gate_rows.to(tl.pointer_type(tl.int32), bitcast=True)
         up_words = up_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+    if WORDS:
         gate_swords = gate_scales.to(tl.pointer_type(tl.int32), bitcast=True)
         up_swords = up_scales.to(tl.pointer_type(tl.int32), bitcast=True)
     for k0 in range(0, D, BLOCK_K):
@@ -334,7 +360,17 @@ def _gate_up_kernel(
         for j in tl.static_range(BLOCK_K // _PIECE):
             k = k0 + j * _PIECE + rp
             kb = (k0 + j * _PIECE) // _PIECE
-            if WORDS:
+            if FP4:  # 4 words of 8 codes per piece; D is a multiple of 32: a piece is all in or all out
+                x = tl.load(x_rows + k[None, :], mask=valid[:, None] & (k < D)[None, :], other=0.0)
+                kw = (k0 + j * _PIECE) // 8 + rq
+                w_ok = n_ok[:, None] & (kw < D // 8)[None, :]
+                kb = tl.minimum(kb, D // _PIECE - 1)  # (a piece past D reads zero codes: any scale)
+                sg = _piece_scale(sg_word if WORDS else 0, gate_scales + kb, n_ok, k0, j, BLOCK_K, WORDS)
+                wg = dequant_fp4_words(tl.load(gate_words + kw[None, :], mask=w_ok, other=0), sg, PTX)
+                if not STACK:
+                    su = _piece_scale(su_word if WORDS else 0, up_scales + kb, n_ok, k0, j, BLOCK_K, WORDS)
+                    wu = dequant_fp4_words(tl.load(up_words + kw[None, :], mask=w_ok, other=0), su, PTX)
+            elif WORDS:
                 x = tl.load(x_rows + k[None, :], mask=valid[:, None], other=0.0)
                 kw = (k0 + j * _PIECE) // 4 + rq
                 wg = dequant_words(tl.load(gate_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(sg_word, k0, j, BLOCK_K))
@@ -372,13 +408,13 @@ def _down_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr,
+    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
 ):
     """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16),
-    computed transposed like `_gate_up_kernel`."""
+    computed transposed like `_gate_up_kernel` (FP4, LAST_SLOT: as there)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES)  # int64: see _gate_up_kernel
+    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES, LAST_SLOT)  # int64: see _gate_up_kernel
     if e >= n_experts:
         return
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -390,9 +426,10 @@ def _down_kernel(
     w_rows = w_ptr + e * stride_we + rn[:, None] * stride_wn
     scales = s_ptr + e * stride_se + rn * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    if WORDS:
-        rq = tl.arange(0, _PIECE // 4)
+    if WORDS or FP4:
+        rq = tl.arange(0, _PIECE // (8 if FP4 else 4))
         w_words = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+    if WORDS:
         s_words = scales.to(tl.pointer_type(tl.int32), bitcast=True)
     for k0 in range(0, I, BLOCK_K):
         if WORDS:
@@ -400,7 +437,12 @@ def _down_kernel(
         for j in tl.static_range(BLOCK_K // _PIECE):
             k = k0 + j * _PIECE + rp
             kb = (k0 + j * _PIECE) // _PIECE
-            if WORDS:
+            if FP4:  # as in _gate_up_kernel
+                a = tl.load(a_rows + k[None, :], mask=valid[:, None] & (k < I)[None, :], other=0.0)
+                kw = (k0 + j * _PIECE) // 8 + rq
+                sw = _piece_scale(s_word if WORDS else 0, scales + tl.minimum(kb, I // _PIECE - 1), n_ok, k0, j, BLOCK_K, WORDS)
+                w = dequant_fp4_words(tl.load(w_words + kw[None, :], mask=n_ok[:, None] & (kw < I // 8)[None, :], other=0), sw, PTX)
+            elif WORDS:
                 a = tl.load(a_rows + k[None, :], mask=valid[:, None], other=0.0)
                 kw = (k0 + j * _PIECE) // 4 + rq
                 w = dequant_words(tl.load(w_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(s_word, k0, j, BLOCK_K))
@@ -438,7 +480,7 @@ def _gate_up_fp8_kernel(
     exponent bytes to as."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES)  # int64: see _gate_up_kernel
+    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES, 0)  # int64: see _gate_up_kernel
     if e >= n_experts:
         return
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -497,7 +539,7 @@ def _down_fp8_kernel(
     times the FP8 down weights, one FP8 x FP8 MMA per 32 inputs scaled into fp32."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES)
+    e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES, 0)
     if e >= n_experts:
         return
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -611,22 +653,60 @@ def _slot_sums(y: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype, pair_
     return out
 
 
+def expert_inputs(w: torch.Tensor) -> int:
+    """Inputs per row of stacked expert weights: FP8 [E, rows, inputs], or compact FP4 (uint8,
+    two codes a byte) [E, rows, inputs / 2]."""
+    return w.shape[-1] * (2 if w.dtype == torch.uint8 else 1)
+
+
 def dense_fits(w13: torch.Tensor) -> bool:
     """Whether `moe_experts_dense` may run a layer's stacked experts: their bf16 copy (gate and
     up; the down copy is half of it and made after the first is freed) within
     `MOE["DENSE_TEMP_BYTES"]`."""
-    return w13.numel() * 2 <= MOE["DENSE_TEMP_BYTES"]
+    return math.prod(w13.shape[:-1]) * expert_inputs(w13) * 2 <= MOE["DENSE_TEMP_BYTES"]
+
+
+def _check_experts(name: str, x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                   shared: tuple | None) -> tuple[int, int, bool]:
+    """Validate a call's experts -> (hidden size, intermediate size, FP4). FP8 stacks are
+    float8_e4m3fn; compact FP4 stacks uint8 (`quant.fp4_kernel_layout`), whose V4.1 shared
+    expert (FP8, not FP4-representable) comes as `shared` (w13, w13_scale, w2, w2_scale of one
+    expert) and takes every token's last slot."""
+    fp4 = w13.dtype == torch.uint8
+    want = torch.uint8 if fp4 else torch.float8_e4m3fn
+    if w13.dtype not in (torch.uint8, torch.float8_e4m3fn) or w2.dtype != want:
+        raise TypeError(f"{name}: expert weights must be float8_e4m3fn or compact FP4 (uint8), both alike; got {w13.dtype}, {w2.dtype}")
+    n_experts, two_i = w13.shape[:2]
+    d, inter = expert_inputs(w13), two_i // 2
+    if w2.shape[:2] != (n_experts, d) or expert_inputs(w2) != inter or x.shape[-1] != d or x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"{name}: shapes x {list(x.shape)} {x.dtype}, w13 {list(w13.shape)}, w2 {list(w2.shape)} do not match")
+    if d % SCALE_BLOCK or inter % SCALE_BLOCK:
+        raise ValueError(f"{name}: hidden and intermediate sizes must be multiples of {SCALE_BLOCK}")
+    if tuple(w13_scale.shape) != (n_experts, two_i, d // SCALE_BLOCK) or tuple(w2_scale.shape) != (n_experts, d, inter // SCALE_BLOCK):
+        raise ValueError(f"{name}: scale shapes must be [E, rows, inputs/32]")
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError(f"{name}: expert stacks must be contiguous")
+    if fp4 and (w13.data_ptr() % 4 or w2.data_ptr() % 4):
+        raise ValueError(f"{name}: compact FP4 experts are read as int32 words: their storage must be 4-byte aligned")
+    if shared is not None:
+        if not fp4:
+            raise ValueError(f"{name}: a separate shared expert goes with compact FP4 experts only (FP8 stacks hold it as their last expert)")
+        _check_experts(name, x, *shared, None)
+        if shared[0].dtype != torch.float8_e4m3fn or shared[0].shape[0] != 1:
+            raise ValueError(f"{name}: the shared expert must be one FP8 expert [1, rows, inputs], got {shared[0].dtype} {list(shared[0].shape)}")
+    return d, inter, fp4
 
 
 def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                       w2: torch.Tensor, w2_scale: torch.Tensor, limit: float, weight_before_down: bool,
-                      out_dtype: torch.dtype = torch.float32, fp8_act: bool = False) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.float32, fp8_act: bool = False, shared: tuple | None = None) -> torch.Tensor:
     """`moe_experts` for compute-bound loads (prefill): the same arguments, semantics and
     result, by bf16 grouped GEMMs (`torch._grouped_mm`, CUTLASS on sm_90: 87% of the bf16
     peak at 8K tokens on 65 experts, device run 2) over the experts dequantised exactly to
-    bf16 (`fp8_gemm.dequant_fp8`, one pass; FP8 codes times power-of-two scales are exact in
-    bf16), instead of the weight-only kernels, which re-read and re-dequantise an expert's
-    weights for every tile of pairs and reach ~38% of the peak there.
+    bf16 (`fp8_gemm.dequant_fp8` / `dequant_fp4`, one pass; the codes times power-of-two
+    scales are exact in bf16; a separate shared expert becomes the last group), instead of
+    the weight-only kernels, which re-read and re-dequantise an expert's weights for every
+    tile of pairs and reach ~38% of the peak there.
 
     The pairs sorted by expert (stable: tokens ascending) form the groups; gate and up come
     out of one GEMM in bf16 (as the reference's linears round them), the clamped SwiGLU and
@@ -638,14 +718,10 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     numerics of `moe_experts`' FP8 kernels, on bf16 tensor cores)."""
     _check_out_dtype("moe_experts_dense", out_dtype)
     t, topk = topk_ids.shape
-    n_experts, two_i, d = w13.shape
-    inter = two_i // 2
-    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn or x.dtype != torch.bfloat16:
-        raise TypeError("moe_experts_dense: expert weights must be float8_e4m3fn and x bfloat16")
-    if tuple(w2.shape) != (n_experts, d, inter) or x.shape != (t, d) or not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError(f"moe_experts_dense: shapes x {list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)} do not match (contiguous stacks)")
+    d, inter, fp4 = _check_experts("moe_experts_dense", x, w13, w13_scale, w2, w2_scale, shared)
+    n_experts = w13.shape[0] + (shared is not None)
     if not dense_fits(w13):
-        raise ValueError(f"moe_experts_dense: {n_experts} experts need {w13.numel() * 2 >> 20} MiB of bf16 copies, over MOE['DENSE_TEMP_BYTES']")
+        raise ValueError(f"moe_experts_dense: {n_experts} experts need {math.prod(w13.shape[:-1]) * d * 2 >> 20} MiB of bf16 copies, over MOE['DENSE_TEMP_BYTES']")
     n_pairs = t * topk
     if n_pairs == 0:
         return torch.zeros(t, d, dtype=out_dtype, device=x.device)
@@ -655,9 +731,7 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
     counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)  # (bincount would read its size back from the device)
-    g13 = dequant_fp8(w13.view(-1, d), w13_scale.reshape(-1, d // SCALE_BLOCK), 0, True).view(n_experts, two_i, d)
-    h = torch._grouped_mm(x[order // topk], g13.transpose(1, 2), offs=offs)
-    del g13
+    h = torch._grouped_mm(x[order // topk], _dense_stack(w13, w13_scale, shared and shared[:2]).transpose(1, 2), offs=offs)
     rw = topk_weights.reshape(-1).float()[order].contiguous()
     act = torch.empty(n_pairs, inter, dtype=torch.bfloat16, device=x.device)
     block_p, block_i = 32, 128
@@ -668,8 +742,7 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     del h
     if fp8_act:
         act = fp8_act_fake_quant(act, SCALE_BLOCK)
-    g2 = dequant_fp8(w2.view(-1, inter), w2_scale.reshape(-1, inter // SCALE_BLOCK), 0, True).view(n_experts, d, inter)
-    down = torch._grouped_mm(act, g2.transpose(1, 2), offs=offs)
+    down = torch._grouped_mm(act, _dense_stack(w2, w2_scale, shared and shared[2:]).transpose(1, 2), offs=offs)
     if not weight_before_down:
         down = (down.float() * rw[:, None]).bfloat16()
     # the slot sum reads each pair's row where the expert order put it (scattering the rows
@@ -679,13 +752,28 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     return _slot_sums(down, topk_ids.contiguous(), out_dtype, pair_rows)
 
 
+def _dense_stack(w: torch.Tensor, scale: torch.Tensor, shared: tuple | None) -> torch.Tensor:
+    """bf16 [E (+1), rows, inputs]: the stacked experts dequantised exactly, a separate shared
+    expert (FP8, with a compact FP4 stack) as the last one."""
+    e, rows = w.shape[:2]
+    inputs = expert_inputs(w)
+    out = torch.empty(e + (shared is not None), rows, inputs, dtype=torch.bfloat16, device=w.device)
+    if w.dtype == torch.uint8:
+        dequant_fp4(w.view(-1, inputs // 2), scale.reshape(-1, inputs // SCALE_BLOCK), out[:e].view(-1, inputs))
+    else:
+        out[:e] = dequant_fp8(w.view(-1, inputs), scale.reshape(-1, inputs // SCALE_BLOCK), 0, True).view(e, rows, inputs)
+    if shared is not None:
+        out[e:] = dequant_fp8(shared[0].view(-1, inputs), shared[1].reshape(-1, inputs // SCALE_BLOCK), 0, True).view(1, rows, inputs)
+    return out
+
+
 def _words(ptx: bool, w: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
-    """Whether a GEMM reads its FP8 weights as int32 words (`MOE["DEQUANT"]`): compiled PTX,
-    inputs in whole 128s (one scale word per row and 128 inputs), K steps inside one word, and
-    4-byte aligned rows and experts (the loads are int32)."""
-    inputs = w.shape[-1]
+    """Whether a GEMM reads its FP8 weights (compact FP4: its scales) as int32 words
+    (`MOE["DEQUANT"]`): compiled PTX, inputs in whole 128s (one scale word per row and 128
+    inputs), K steps inside one word, and 4-byte aligned rows and experts (the loads are
+    int32)."""
     aligned = all(v % 4 == 0 for v in (w.data_ptr(), w.stride(0), w.stride(1), scale.data_ptr(), scale.stride(0), scale.stride(1)))
-    return MOE["DEQUANT"] == "words" and ptx and inputs % 128 == 0 and 128 % block_k == 0 and aligned
+    return MOE["DEQUANT"] == "words" and ptx and expert_inputs(w) % 128 == 0 and 128 % block_k == 0 and aligned
 
 
 def moe_experts(
@@ -700,31 +788,25 @@ def moe_experts(
     weight_before_down: bool,
     out_dtype: torch.dtype = torch.float32,
     fp8_act: bool = False,
+    shared: tuple | None = None,
 ) -> torch.Tensor:
     """Routed experts of a flat batch -> fp32 [T, D] (see the module docstring), or with
     out_dtype bf16 that sum rounded once in the slot-sum kernel (V4.1's layer output: one
     launch less than a cast after it). `fp8_act`: FP8 activations (`ModelConfig.fp8_activations`):
     x quantised per 32 inputs (`fp8_gemm.fp8_act_quant`), FP8 x FP8 GEMMs (`_gate_up_fp8_kernel`,
-    `_down_fp8_kernel`)."""
+    `_down_fp8_kernel`; FP8 stacks only). Compact FP4 stacks (uint8, `quant.fp4_kernel_layout`)
+    run the bf16 kernels' FP4 variant; their `shared` expert (FP8, expert id E, every token's
+    last slot) a second pair of launches over the same buffers, so that the slot sum adds it
+    last as before."""
     _check_out_dtype("moe_experts", out_dtype)
     t, topk = topk_ids.shape
-    n_experts, two_i, d = w13.shape
-    inter = two_i // 2
-    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
-        raise TypeError("moe_experts: expert weights must be float8_e4m3fn")
-    if tuple(w2.shape) != (n_experts, d, inter) or x.shape != (t, d) or x.dtype != torch.bfloat16:
-        raise ValueError(f"moe_experts: shapes x {list(x.shape)} {x.dtype}, w13 {list(w13.shape)}, w2 {list(w2.shape)} do not match")
-    if d % SCALE_BLOCK or inter % SCALE_BLOCK:
-        raise ValueError(f"moe_experts: hidden and intermediate sizes must be multiples of {SCALE_BLOCK}")
-    if tuple(w13_scale.shape) != (n_experts, two_i, d // SCALE_BLOCK) or tuple(w2_scale.shape) != (n_experts, d, inter // SCALE_BLOCK):
-        raise ValueError("moe_experts: scale shapes must be [E, rows, inputs/32]")
-    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        raise ValueError("moe_experts: expert weights must be row-major (last stride 1)")
+    d, inter, fp4 = _check_experts("moe_experts", x, w13, w13_scale, w2, w2_scale, shared)
+    if fp8_act and fp4:
+        raise ValueError("moe_experts: FP8 activations run FP8 expert stacks (the loader keeps FP8 experts under fp8_activations), got compact FP4")
+    n_experts = w13.shape[0] + (shared is not None)  # expert ids in [0, n_experts)
     n_pairs = t * topk
     if n_pairs == 0:  # no tokens, or k = 0
         return torch.zeros(t, d, dtype=out_dtype, device=x.device)
-    w13_scale = w13_scale.view(torch.uint8).contiguous()
-    w2_scale = w2_scale.view(torch.uint8).contiguous()
     x = x.contiguous()
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()  # pair p = token * k + slot, as the rows index it
@@ -743,12 +825,13 @@ def moe_experts(
     n_tiles = tile_expert.numel()
     y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
     stack = gu.get("STACK", False)
-    gate_up_grid = (n_tiles, triton.cdiv(inter, gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"]))
+    gate_up_n = triton.cdiv(inter, gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"])
     if fp8_act:
         xq, xs = fp8_act_quant(x, SCALE_BLOCK)
         act_q = torch.empty(n_tiles * bt, inter, dtype=torch.float8_e4m3fn, device=x.device)
         act_s = torch.empty(n_tiles * bt, inter // SCALE_BLOCK, dtype=torch.uint8, device=x.device)
-        _gate_up_fp8_kernel[gate_up_grid](
+        w13_scale, w2_scale = w13_scale.view(torch.uint8).contiguous(), w2_scale.view(torch.uint8).contiguous()
+        _gate_up_fp8_kernel[(n_tiles, gate_up_n)](
             xq, xs, w13, w13_scale, rows, tile_expert, weights, act_q, act_s,
             n_pairs, n_experts, d, inter,
             xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
@@ -770,23 +853,33 @@ def moe_experts(
         return _slot_sums(y, ids, out_dtype)
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     ptx = ptx_convert(x.device)
-    _gate_up_kernel[gate_up_grid](
-        x, w13, w13_scale, rows, tile_expert, weights, act,
-        n_pairs, n_experts, d, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
-        float(limit),
-        TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
-        BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
-        WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack,
-        num_warps=gu["num_warps"], num_stages=gu["num_stages"],
-    )
-    _down_kernel[(n_tiles, triton.cdiv(d, dn["BLOCK_N"]))](
-        act, w2, w2_scale, rows, tile_expert, weights, y,
-        n_pairs, n_experts, d, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
-        WEIGHT_BEFORE_DOWN=weight_before_down,
-        BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
-        WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles,
-        num_warps=dn["num_warps"], num_stages=dn["num_stages"],
-    )
+
+    def launch(w13, w13_scale, w2, w2_scale, fp4: bool, experts: int, last_slot: int) -> None:
+        """Kernels 1 and 2 over the layout (or, last_slot, over every token's last slot) for
+        the tiles of experts below `experts`."""
+        w13_scale, w2_scale = w13_scale.view(torch.uint8).contiguous(), w2_scale.view(torch.uint8).contiguous()
+        tiles = triton.cdiv(t, bt) if last_slot else n_tiles
+        _gate_up_kernel[(tiles, gate_up_n)](
+            x, w13, w13_scale, rows, tile_expert, weights, act,
+            n_pairs, experts, d, inter,
+            x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
+            float(limit),
+            TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
+            BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
+            WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot,
+            num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        )
+        _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
+            act, w2, w2_scale, rows, tile_expert, weights, y,
+            n_pairs, experts, d, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
+            WEIGHT_BEFORE_DOWN=weight_before_down,
+            BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
+            WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
+            num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+        )
+
+    launch(w13, w13_scale, w2, w2_scale, fp4, w13.shape[0], 0)
+    if shared is not None:  # the shared expert's pairs: act rows = pair rows (LAST_SLOT tiles are token blocks)
+        launch(*shared, False, 1, topk)
     return _slot_sums(y, ids, out_dtype)
