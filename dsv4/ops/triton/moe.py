@@ -676,16 +676,18 @@ def _check_experts(name: str, x: torch.Tensor, w13: torch.Tensor, w13_scale: tor
     want = torch.uint8 if fp4 else torch.float8_e4m3fn
     if w13.dtype not in (torch.uint8, torch.float8_e4m3fn) or w2.dtype != want:
         raise TypeError(f"{name}: expert weights must be float8_e4m3fn or compact FP4 (uint8), both alike; got {w13.dtype}, {w2.dtype}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{name}: x must be bfloat16, got {x.dtype}")
     n_experts, two_i = w13.shape[:2]
     d, inter = expert_inputs(w13), two_i // 2
-    if w2.shape[:2] != (n_experts, d) or expert_inputs(w2) != inter or x.shape[-1] != d or x.dtype != torch.bfloat16 or x.dim() != 2:
-        raise ValueError(f"{name}: shapes x {list(x.shape)} {x.dtype}, w13 {list(w13.shape)}, w2 {list(w2.shape)} do not match")
+    if w2.shape[:2] != (n_experts, d) or expert_inputs(w2) != inter or x.shape[-1] != d or x.dim() != 2:
+        raise ValueError(f"{name}: shapes x {list(x.shape)}, w13 {list(w13.shape)}, w2 {list(w2.shape)} do not match")
     if d % SCALE_BLOCK or inter % SCALE_BLOCK:
         raise ValueError(f"{name}: hidden and intermediate sizes must be multiples of {SCALE_BLOCK}")
     if tuple(w13_scale.shape) != (n_experts, two_i, d // SCALE_BLOCK) or tuple(w2_scale.shape) != (n_experts, d, inter // SCALE_BLOCK):
         raise ValueError(f"{name}: scale shapes must be [E, rows, inputs/32]")
-    if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError(f"{name}: expert stacks must be contiguous")
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError(f"{name}: expert weights must be row-major (last stride 1)")
     if fp4 and (w13.data_ptr() % 4 or w2.data_ptr() % 4):
         raise ValueError(f"{name}: compact FP4 experts are read as int32 words: their storage must be 4-byte aligned")
     if shared is not None:
@@ -720,6 +722,8 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     t, topk = topk_ids.shape
     d, inter, fp4 = _check_experts("moe_experts_dense", x, w13, w13_scale, w2, w2_scale, shared)
     n_experts = w13.shape[0] + (shared is not None)
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("moe_experts_dense: expert stacks must be contiguous (they are dequantised as one block)")
     if not dense_fits(w13):
         raise ValueError(f"moe_experts_dense: {n_experts} experts need {math.prod(w13.shape[:-1]) * d * 2 >> 20} MiB of bf16 copies, over MOE['DENSE_TEMP_BYTES']")
     n_pairs = t * topk
@@ -754,14 +758,14 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 def _dense_stack(w: torch.Tensor, scale: torch.Tensor, shared: tuple | None) -> torch.Tensor:
     """bf16 [E (+1), rows, inputs]: the stacked experts dequantised exactly, a separate shared
-    expert (FP8, with a compact FP4 stack) as the last one."""
+    expert (FP8, with a compact FP4 stack) as the last one (one bf16 write: an FP8 stack's copy
+    into a larger buffer cost p8k 6 ms, device call S8-4)."""
     e, rows = w.shape[:2]
     inputs = expert_inputs(w)
+    if w.dtype != torch.uint8:  # FP8 stacks hold their shared expert: dequantised in place of a copy
+        return dequant_fp8(w.view(-1, inputs), scale.reshape(-1, inputs // SCALE_BLOCK), 0, True).view(e, rows, inputs)
     out = torch.empty(e + (shared is not None), rows, inputs, dtype=torch.bfloat16, device=w.device)
-    if w.dtype == torch.uint8:
-        dequant_fp4(w.view(-1, inputs // 2), scale.reshape(-1, inputs // SCALE_BLOCK), out[:e].view(-1, inputs))
-    else:
-        out[:e] = dequant_fp8(w.view(-1, inputs), scale.reshape(-1, inputs // SCALE_BLOCK), 0, True).view(e, rows, inputs)
+    dequant_fp4(w.view(-1, inputs // 2), scale.reshape(-1, inputs // SCALE_BLOCK), out[:e].view(-1, inputs))
     if shared is not None:
         out[e:] = dequant_fp8(shared[0].view(-1, inputs), shared[1].reshape(-1, inputs // SCALE_BLOCK), 0, True).view(1, rows, inputs)
     return out
