@@ -23,15 +23,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_kernels as ck  # noqa: E402  (the device data builders)
 
 
-def moe(t: int) -> None:
+def moe(t: int, fp4: bool = False) -> None:
     """Routed experts of the 64-expert benchmark layer plus the shared one, top-6 + 1 (pair
-    tiles at T=1, the counting-sort layout above)."""
+    tiles at T=1, the counting-sort layout above); `fp4`: the routed ones as compact FP4
+    (`--fp4-experts`), the shared one as its own FP8 stack."""
     from dsv4.ops.triton import moe
 
     x, _, _, w13, s13, w2, s2 = ck.moe_data(t, e=65)
     ids, weights = ck.moe_routings(t, 65, seed=t, shared=True)[0]
+    stacks, shared = (w13, s13, w2, s2), None
+    if fp4:
+        stacks = (ck.fp4_stack(w13[:64]), s13[:64], ck.fp4_stack(w2[:64]), s2[:64])
+        shared = (w13[64:], s13[64:], w2[64:], s2[64:])
     for _ in range(2):
-        moe.moe_experts(x[:t], ids, weights, w13, s13, w2, s2, 10.0, True)
+        moe.moe_experts(x[:t], ids, weights, *stacks, 10.0, True, shared=shared)
 
 
 def w8a16(name: str) -> None:
@@ -55,6 +60,7 @@ def attention(t: int) -> None:
 CASES = {
     "moe_t1": lambda: moe(1),
     "moe_t64": lambda: moe(64),
+    "moe_fp4_t64": lambda: moe(64, fp4=True),
     "wq_b_m1": lambda: w8a16("wq_b"),
     "wo_b_m1": lambda: w8a16("wo_b"),
     "attn_t1": lambda: attention(1),
