@@ -288,6 +288,7 @@ def main() -> int:
     parser.add_argument("--prompts", default="1,3", help="golden prompt indices")
     parser.add_argument("--steps", type=int, default=2, help="greedy decode steps after the prompts")
     parser.add_argument("--fp8-activations", action="store_true", help="run the model with FP8 activations")
+    parser.add_argument("--fp4-experts", action="store_true", help="keep the routed experts FP4 (the MoE kernels' FP4 variant)")
     args = parser.parse_args()
     ref = load_file(Path(args.folder) / "golden.safetensors")
     prompts = [ref[f"prompt{int(i)}.input_ids"].tolist() for i in args.prompts.split(",")]
@@ -298,7 +299,8 @@ def main() -> int:
     # prompts take it (the decode steps still take the grouped kernels)
     moe_layer.DENSE_EXPERT_PAIRS = 8
     llm = LLM(args.folder, device=device, dtype="bfloat16", fast_path=True, block_size=16, kv_cache_memory=64 << 20,
-              max_num_seqs=4, max_model_len=256, swa_bounded_replay=False, enforce_eager=True, fp8_activations=args.fp8_activations)
+              max_num_seqs=4, max_model_len=256, swa_bounded_replay=False, enforce_eager=True, fp8_activations=args.fp8_activations,
+              fp4_experts=args.fp4_experts)
     llm.prompt_logits(prompts)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True), use_tqdm=False)
     failed = False

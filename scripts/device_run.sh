@@ -4,7 +4,7 @@
 # forward benchmark. Prepare here first (bash scripts/prepare_device.sh), then
 #   run(command="bash scripts/device_run.sh", carry=["devdata", ".device_wheels"])
 # Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline; also insitu8 and bench8: the
-# same with FP8 activations, ab, ncu, profile), KERNEL_SECTIONS,
+# same with FP8 activations, insitu4: with FP4 experts, ab, ncu, profile), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
 # knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS=..."), KNOBS (module globals or dict entries the bench runs under, Python literals:
@@ -62,6 +62,10 @@ fi
 if want insitu8; then  # the same with FP8 activations (--fp8-activations)
   echo "=== insitu8" | tee -a "$LOG"
   timeout 150 python scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 --fp8-activations 2>&1 | tee -a "$LOG" | tail -20
+fi
+if want insitu4; then  # the same with the experts kept FP4 (--fp4-experts)
+  echo "=== insitu4" | tee -a "$LOG"
+  timeout 150 python scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 --fp4-experts 2>&1 | tee -a "$LOG" | tail -20
 fi
 if want golden; then
   echo "=== golden" | tee -a "$LOG"

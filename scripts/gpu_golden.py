@@ -5,7 +5,8 @@
 * bf16: the reference ops, the fast path eager (--enforce-eager, synchronous scheduling), with
   CUDA graphs (and async scheduling, their default) and with graphs but synchronous
   scheduling. Neither may change outputs: greedy tokens (and the decode logits) of the fast
-  path are identical in all three; with FP8 activations, eager and graphs are identical too. The fast path against the bf16 reference ops:
+  path are identical in all three; with FP8 activations, eager and graphs are identical too;
+  with FP4 experts (graphs) the outputs are those of the FP8 experts, bit for bit. The fast path against the bf16 reference ops:
   logit distance and greedy agreement (bf16 flips selections on these random tiny models,
   see tests/model/test_golden.py::test_bf16_within_bf16_noise).
 
@@ -51,7 +52,8 @@ def main(folders: list[str]) -> int:
         runs = {label: _run(folder, prompts, dtype="bfloat16", **opts) for label, opts in (
             ("reference", {"fast_path": False}), ("fast_eager", {"enforce_eager": True}), ("fast_graphs", {}),
             ("fast_graphs_sync", {"async_scheduling": False}),
-            ("fp8_eager", {"enforce_eager": True, "fp8_activations": True}), ("fp8_graphs", {"fp8_activations": True}))}
+            ("fp8_eager", {"enforce_eager": True, "fp8_activations": True}), ("fp8_graphs", {"fp8_activations": True}),
+            ("fp4_graphs", {"fp4_experts": True}))}
         entry = {"fast_path_on": runs["fast_graphs"][2]}
         if not runs["fast_graphs"][2]:
             print(name, "bfloat16: this config runs the reference path only", flush=True)
@@ -76,6 +78,12 @@ def main(folders: list[str]) -> int:
             entry.update(fp8_graphs_vs_eager_identical=fp8_same, fp8_vs_bf16_mean_logit_distance=fp8_dist)
             print(name, "bfloat16 + FP8 activations: graphs == eager (greedy and logprobs)", fp8_same,
                   "mean |logit diff| to unquantised", [f"{d:.3f}" for d in fp8_dist], flush=True)
+            # FP4 experts dequantise to the FP8 conversion's values: the same outputs, bit for bit
+            fp4_same = [a.token_ids == b.token_ids and logprobs(a) == logprobs(b) for a, b in zip(runs["fp4_graphs"][1], graphs)]
+            fp4_same_logits = all(torch.equal(a, b) for a, b in zip(runs["fp4_graphs"][0], runs["fast_graphs"][0]))
+            failed |= not (all(fp4_same) and fp4_same_logits)
+            entry.update(fp4_vs_fp8_experts_identical=fp4_same, fp4_vs_fp8_prompt_logits_identical=fp4_same_logits)
+            print(name, "bfloat16 + FP4 experts: == FP8 experts (greedy and logprobs)", fp4_same, "prompt logits", fp4_same_logits, flush=True)
         results[f"{name}/bfloat16"] = entry
     out = os.environ.get("OUT")
     if out:

@@ -377,6 +377,23 @@ def test_bench_forward_fp8_activations_on_cpu(tmp_path, capsys):
     assert doc["fp8_activations"] and "FP8 activations" in doc["fast_path"] and "FP8 activations" in capsys.readouterr().out
 
 
+def test_bench_forward_fp4_experts(tmp_path, capsys):
+    """The flag reaches the config (the floor counts the experts' FP4 bytes; on the GPU the
+    weights are kept FP4) and the JSON; with FP8 activations it is a clear error."""
+    docs = {}
+    for flag in ("--no-fp4-experts", "--fp4-experts"):
+        out = tmp_path / f"{flag}.json"
+        assert _run(["--config", "tiny-v41", "--device", "cpu", "--warmup", "0", "--iters", "1", "--no-breakdown", "--no-baseline", flag,
+                     "--json", str(out), "decode=2*1@64"]) == 0
+        docs[flag] = json.loads(out.read_text())
+    assert docs["--fp4-experts"]["fp4_experts"] and not docs["--no-fp4-experts"]["fp4_experts"]
+    assert "FP4 experts" in docs["--fp4-experts"]["fast_path"] and "FP4 experts" in capsys.readouterr().out
+    moe_bytes = {f: d["cases"][0]["floor"]["components"]["moe"]["bytes"] for f, d in docs.items()}
+    assert moe_bytes["--fp4-experts"] < moe_bytes["--no-fp4-experts"]
+    assert _run(["--config", "tiny-v41", "--device", "cpu", "--fp4-experts", "--fp8-activations", "d=1@8"]) == 2
+    assert "--fp4-experts: not with --fp8-activations" in capsys.readouterr().out
+
+
 def test_bench_forward_reports_a_failing_case_and_runs_the_rest(tmp_path, capsys, monkeypatch):
     """A case that raises is an error row (its type and message) and the other cases still run."""
     from dsv4.bench import forward
