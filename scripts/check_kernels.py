@@ -2341,9 +2341,16 @@ def compile_case(label: str, kernel, types: dict, consts: dict, options: dict, m
             f.write(compiled.asm["cubin"])
             f.flush()
             text = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True, check=False).stdout
+            sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=False).stdout
         found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", text)
         if found:
             usage = {"registers": int(found[1]), "spill_stack_bytes": int(found[2])}
+        # static SASS counts: the MoE and GEMM kernels are bound by the L1/TEX unit (shared
+        # memory; ncu, docs/PERF.md eighth session), so shared-memory stores and loads per
+        # variant are the offline proxy to compare tiles and dequantisations by
+        ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+        if ops:
+            usage.update(sass_instructions=len(ops), shared_stores=ops.count("STS"), shared_loads=ops.count("LDS") + ops.count("LDSM"))
     mma = "wgmma" if "wgmma" in compiled.asm["ptx"] else "mma.sync" if "mma.sync" in compiled.asm["ptx"] else "none"
     families = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync"}
     if mma_required and (families[mma_required] not in compiled.asm["ptx"] or any(f in compiled.asm["ptx"] for k, f in families.items() if k != mma_required)):
@@ -2391,6 +2398,8 @@ def summary(records: list[dict]) -> list[str]:
                 item += f" err {r['err']:.1e}"
             if "registers" in r:
                 item += f" {r['registers']} regs, {r['spill_stack_bytes']} B spilled, {r['shared_bytes']} B smem, {r['mma']}"
+            if "sass_instructions" in r:
+                item += f", {r['sass_instructions']} SASS ({r['shared_stores']} STS, {r['shared_loads']} LDS)"
             if "same_bits" in r:
                 item += f" same bits: {r['same_bits']}"
             item += {True: " ok", False: " FAIL"}.get(r.get("ok"), "")
