@@ -129,7 +129,7 @@ class ModelConfig:
     fp8_activations: bool = False
     # storage, chosen by the engine: compact (GPU) weights keep the routed experts FP4 as
     # released (half the bytes: V4.1's 40 layers of experts 272 instead of 544 GB; the MoE
-    # kernels' FP4 variant, the same results, measured 1.3-1.6x slower per layer) instead of
+    # kernels' FP4 variant, the same results, measured 1.2-1.6x slower per layer) instead of
     # converting them exactly to FP8; not with fp8_activations (its kernels multiply FP8 codes)
     fp4_experts: bool = False
     raw: dict = field(default_factory=dict, compare=False, repr=False)

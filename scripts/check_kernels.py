@@ -313,7 +313,8 @@ def moe_case(t: int, data: tuple, dense: tuple, fp4s: tuple) -> None:
     io = t * d * 2 + t * d * 4 + it.numel() * 12
     flops = 2 * it.numel() * 3 * inter * d
     ref = moe_ref.experts_forward(xt, wt, it, w1, w2l, w3, 10.0, True).float()
-    err = norm_err(moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True), ref)
+    y_k = moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True)
+    err = norm_err(y_k, ref)
     t_k = median_time(lambda: moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True), reps=10)
     record("moe_experts", case, "triton", ok=err <= 4 * 2**-8, err=err, experts_used=used, **perf(t_k, w_bytes + io, flops, "bf16"))
     if t <= max(SWEEP_TOKENS):  # as decode runs it: from a CUDA graph, each call with its own routing
@@ -322,7 +323,7 @@ def moe_case(t: int, data: tuple, dense: tuple, fp4s: tuple) -> None:
     # compact FP4 stacks (the default GPU form): the same values, so the FP8 stacks' bits; half the bytes
     p13, p2 = fp4s
     fp4_bytes = used * (3 * inter * d) * (0.5 + 1 / 32)
-    same = torch.equal(moe.moe_experts(xt, it, wt, p13, s13, p2, s2, 10.0, True), moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True))
+    same = torch.equal(moe.moe_experts(xt, it, wt, p13, s13, p2, s2, 10.0, True), y_k)
     t_4 = median_time(lambda: moe.moe_experts(xt, it, wt, p13, s13, p2, s2, 10.0, True), reps=10)
     record("moe_experts", case, "triton_fp4", ok=same, same_bits=same, experts_used=used, **perf(t_4, fp4_bytes + io, flops, "bf16"))
     if t <= max(SWEEP_TOKENS):
