@@ -210,6 +210,7 @@ def fp8_linear_case(name: str, m: int, w: torch.Tensor, s: torch.Tensor, wd: tor
     if m <= 256:  # the decode regime: the other weight reads, which must keep the bits
         other = "bytes" if fp8_gemm.W8A16["DEQUANT"] == "words" else "words"
         variant(other, {"DEQUANT": other}, fp8_gemm.fp8_linear_w8a16(x, w, s, block))
+        variant(f"step={not fp8_gemm.W8A16['STEP']}", {"STEP": not fp8_gemm.W8A16["STEP"]}, fp8_gemm.fp8_linear_w8a16(x, w, s, block))
     chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, x.device))
     if m <= 8 and k // (2 * chunks) >= fp8_gemm.CHUNK_ALIGN:  # twice the K chunks (other bits: the chunking is numerics)
         variant(f"{2 * chunks} chunks (default {chunks})", {"CHUNKS": {**fp8_gemm.W8A16["CHUNKS"], (n, k, block): 2 * chunks}}, None)
@@ -320,6 +321,11 @@ def moe_case(t: int, data: tuple, dense: tuple, fp4s: tuple) -> None:
     if t <= max(SWEEP_TOKENS):  # as decode runs it: from a CUDA graph, each call with its own routing
         calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in moe_routings(t, e, seed=t)]
         record("moe_experts", case, "triton_graph", experts_used=used, **perf(graph_time(calls, reps=5), w_bytes + io, flops, "bf16"))
+        cfg = moe.moe_config(it.numel(), e)
+        with moe_knobs({"cfg": dict(cfg, STEP=not cfg["STEP"]), "knobs": {}}):  # the other K-step form: the same bits
+            same = torch.equal(moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True), y_k)
+            record("moe_experts", case, f"triton_graph step={not cfg['STEP']}", ok=same, same_bits=same, experts_used=used,
+                   **perf(graph_time(calls, reps=5), w_bytes + io, flops, "bf16"))
     # compact FP4 stacks (the default GPU form): the same values, so the FP8 stacks' bits; half the bytes
     p13, p2 = fp4s
     fp4_bytes = used * (3 * inter * d) * (0.5 + 1 / 32)
@@ -481,7 +487,7 @@ def moe_prefill_tiles(t: int, data: tuple) -> None:
     ref = moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True)
     for bt, gu, dn in MOE_PREFILL_TILES:
         keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-        cand = {"cfg": {"BLOCK_T": bt, "gate_up": dict(zip(keys, gu)), "down": dict(zip(keys, dn))}, "knobs": {}}
+        cand = {"cfg": {"BLOCK_T": bt, "STEP": False, "gate_up": dict(zip(keys, gu)), "down": dict(zip(keys, dn))}, "knobs": {}}
         label = moe_label(cand)
         try:
             with moe_knobs(cand):
@@ -629,6 +635,7 @@ def w8a16_candidates(m: int, n: int, k: int, block: int) -> list[dict]:
             if k // alt >= fp8_gemm.CHUNK_ALIGN:
                 cands.append({"tile": default, "chunks": alt})
     cands.append({"tile": default, "dequant": "bytes" if fp8_gemm.W8A16["DEQUANT"] == "words" else "words"})
+    cands.append({"tile": default, "step": not fp8_gemm.W8A16["STEP"]})
     if m == 1:
         if chunks > 1:
             cands.append({"tile": default, "split": 0.0})
@@ -647,7 +654,7 @@ class w8a16_knobs:
         from dsv4.ops.triton import fp8_gemm
 
         knobs = fp8_gemm.W8A16
-        self.saved = (knobs["rows"], knobs["CHUNKS"], knobs["SPLIT_TILES_PER_SM"], knobs["DEQUANT"], fp8_gemm.FP8_CONVERT)
+        self.saved = (knobs["rows"], knobs["CHUNKS"], knobs["SPLIT_TILES_PER_SM"], knobs["DEQUANT"], fp8_gemm.FP8_CONVERT, knobs["STEP"])
         n, k, block = self.key
         chunks = self.cand.get("chunks") or -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, torch.device("cuda")))
         knobs["CHUNKS"] = {**self.saved[1], self.key: chunks}
@@ -655,6 +662,7 @@ class w8a16_knobs:
         knobs["SPLIT_TILES_PER_SM"] = self.cand.get("split", self.saved[2])
         knobs["DEQUANT"] = self.cand.get("dequant", self.saved[3])
         fp8_gemm.FP8_CONVERT = self.cand.get("convert", self.saved[4])
+        knobs["STEP"] = self.cand.get("step", self.saved[5])
         self.chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, torch.device("cuda")))
         return self
 
@@ -662,11 +670,11 @@ class w8a16_knobs:
         from dsv4.ops.triton import fp8_gemm
 
         knobs = fp8_gemm.W8A16
-        knobs["rows"], knobs["CHUNKS"], knobs["SPLIT_TILES_PER_SM"], knobs["DEQUANT"], fp8_gemm.FP8_CONVERT = self.saved
+        knobs["rows"], knobs["CHUNKS"], knobs["SPLIT_TILES_PER_SM"], knobs["DEQUANT"], fp8_gemm.FP8_CONVERT, knobs["STEP"] = self.saved
 
 
 def cand_label(cand: dict, chunks: int) -> str:
-    extra = {"split": " unsplit", "convert": " fp32-dequant", "dequant": f" {cand.get('dequant')}"}
+    extra = {"split": " unsplit", "convert": " fp32-dequant", "dequant": f" {cand.get('dequant')}", "step": f" step={cand.get('step')}"}
     return tile_label(cand["tile"]) + f" c{chunks}" + "".join(v for key, v in extra.items() if key in cand)
 
 
@@ -755,24 +763,32 @@ class LazyExperts:
 def moe_candidates(pairs: int, experts: int) -> list[dict]:
     """{"cfg": row-class knobs, "knobs": other MOE overrides}: the defaults first, the previous
     path ("old": byte dequantisation, a layout at any size), pair tiles toggled where they are
-    on by default or the pairs are few (<= 64), the other tiles of the default row tile and the
-    neighbouring row tiles' first tiles."""
+    on by default or the pairs are few (<= 64), the other K-step form (STEP), the other tiles of
+    the default row tile (each in both K-step forms) and the neighbouring row tiles' first
+    tiles."""
     from dsv4.ops.triton import moe
 
     def make(bt, gu, dn):
-        return {"BLOCK_T": bt, "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK"), gu)), "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), dn))}
+        return {"BLOCK_T": bt, "STEP": default.get("STEP", False), "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK"), gu)),
+                "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), dn))}
 
     default = moe.moe_config(pairs, experts, SWEEP_FP8)
     bt = default["BLOCK_T"]
     cands = [{"cfg": default, "knobs": {}}]
     if not SWEEP_FP8:  # (the FP8 kernels have no byte path)
         cands.append({"cfg": default, "knobs": {"DEQUANT": "bytes", "PAIR_TILES_MAX_PAIRS": 0}})
+    if not SWEEP_FP8:  # (whole K steps: the bf16 kernels' FP8 words only)
+        cands.append({"cfg": dict(default, STEP=not default["STEP"]), "knobs": {}})
     if pairs <= moe.MOE["PAIR_TILES_MAX_PAIRS"]:
         cands.append({"cfg": default, "knobs": {"PAIR_TILES_MAX_PAIRS": 0}})
     elif pairs <= 64:
         cands.append({"cfg": default, "knobs": {"PAIR_TILES_MAX_PAIRS": pairs}})
-    tiles = [make(bt, gu, dn) for gu, dn in MOE_TILES.get(bt, [])] + [make(b, *MOE_TILES[b][0]) for b in (bt // 2, bt * 2) if b in MOE_TILES]
-    cands += [{"cfg": cfg, "knobs": {}} for cfg in tiles if cfg != default]
+    tiles = [make(bt, gu, dn) for gu, dn in MOE_TILES.get(bt, [])]
+    if not SWEEP_FP8:  # each of the class's tiles also with the other K-step form
+        tiles += [dict(cfg, STEP=not cfg["STEP"]) for cfg in tiles]
+    tiles += [make(b, *MOE_TILES[b][0]) for b in (bt // 2, bt * 2) if b in MOE_TILES]
+    listed = [c["cfg"] for c in cands]
+    cands += [{"cfg": cfg, "knobs": {}} for cfg in tiles if cfg not in listed]
     return cands
 
 
@@ -800,7 +816,7 @@ class moe_knobs:
 def moe_label(cand: dict) -> str:
     cfg, knobs = cand["cfg"], cand["knobs"]
     gu, dn = cfg["gate_up"], cfg["down"]
-    label = f"T{cfg['BLOCK_T']} gu N{gu['BLOCK_N']}{' stacked' if gu.get('STACK') else ''} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
+    label = f"T{cfg['BLOCK_T']}{' step' if cfg.get('STEP') else ''} gu N{gu['BLOCK_N']}{' stacked' if gu.get('STACK') else ''} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
     if knobs.get("DEQUANT") == "bytes" and knobs.get("PAIR_TILES_MAX_PAIRS") == 0:
         return label + " old"
     return label + "".join(f" {k}={v}" for k, v in knobs.items())
@@ -2062,7 +2078,8 @@ def compile_targets() -> list[tuple]:
                 tiles = {k: cfg[k] for k in ("BLOCK_T", "BLOCK_N", "BLOCK_K", "GROUP_T")}
                 consts = dict(tiles, QBLOCK=block, PIECE=min(block, 32), SPLIT=split, EVEN_K=True, PTX=True, WORDS=words,
                               LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS,
-                              TICKET=split and cfg["BLOCK_T"] <= fp8_gemm.W8A16["TICKET_MAX_T"], A8=a8)
+                              TICKET=split and cfg["BLOCK_T"] <= fp8_gemm.W8A16["TICKET_MAX_T"], A8=a8,
+                              STEP=words and fp8_gemm.W8A16["STEP"] and 128 % cfg["BLOCK_K"] == 0)
                 label = (f"w8a16 rows<={max_rows} BT={cfg['BLOCK_T']} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} b={block} split={split} "
                          f"{'fp8 inputs' if a8 else 'words' if words else 'bytes'}")
                 # every row class on wgmma: the batch-invariance contract (fp8_gemm.W8A16)
@@ -2107,7 +2124,8 @@ def compile_targets() -> list[tuple]:
                         continue
                     if variant["WORDS"] and 128 % part["BLOCK_K"]:
                         continue
-                    consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True, **variant}
+                    consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
+                              "STEP": variant["WORDS"] and not variant["FP4"] and cfg["STEP"], **variant}
                     if name == "gate_up":
                         consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False))
                     dequant = ("fp4 " if variant["FP4"] else "") + ("words" if variant["WORDS"] else "bytes")
@@ -2120,7 +2138,8 @@ def compile_targets() -> list[tuple]:
     part = cfg["gate_up"]
     for pair_tiles in (False, True):
         consts = {"WEIGHT_BEFORE_DOWN": True, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
-                  "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True, "FP4": False, "LAST_SLOT": 0}
+                  "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True, "FP4": False, "LAST_SLOT": 0,
+                  "STEP": 128 % part["BLOCK_K"] == 0 and cfg["STEP"]}
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
         out.append((label, moe._gate_up_kernel, gate_up, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     # the FP8-activation kernels (fp8_act), every row class

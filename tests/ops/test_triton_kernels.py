@@ -585,7 +585,9 @@ def test_moe_experts_rows_do_not_depend_on_batch(monkeypatch):
     for i, row in alone.items():
         assert torch.equal(row, batch[i])
     for bt, (gn, gk, stack), (dn, dk) in MOE_TILINGS:
-        cfg = {"BLOCK_T": bt, "gate_up": {"BLOCK_N": gn, "BLOCK_K": gk, "num_warps": 4, "num_stages": 2, "STACK": stack}, "down": {"BLOCK_N": dn, "BLOCK_K": dk, "num_warps": 4, "num_stages": 3}}
+        # (STEP, whole K steps, only acts on compiled CUDA: both forms there, the same bits)
+        cfg = {"BLOCK_T": bt, "STEP": bt <= 32, "gate_up": {"BLOCK_N": gn, "BLOCK_K": gk, "num_warps": 4, "num_stages": 2, "STACK": stack},
+               "down": {"BLOCK_N": dn, "BLOCK_K": dk, "num_warps": 4, "num_stages": 3}}
         monkeypatch.setitem(moe.MOE, "rows", ((None, cfg),))
         for max_pairs, pair_tiles in ((4096, 0), (0, 0), (4096, 80)):
             monkeypatch.setitem(moe.MOE, "ALIGN_MAX_PAIRS", max_pairs)
@@ -686,7 +688,7 @@ def test_moe_tiles_must_be_whole_wgmma(monkeypatch):
     x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
     ids = torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)
     for gate_n, t in ((32, 16), (64, 8)):
-        cfg = {"BLOCK_T": t, "gate_up": {"BLOCK_N": gate_n, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}, "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}}
+        cfg = {"BLOCK_T": t, "STEP": False, "gate_up": {"BLOCK_N": gate_n, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}, "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}}
         monkeypatch.setitem(moe.MOE, "rows", ((None, cfg),))
         with pytest.raises(ValueError, match="multiple of 16"):
             moe.moe_experts(x, ids, torch.ones(2, 1, device=DEVICE), w13, s13, w2, s2, 10.0, True)

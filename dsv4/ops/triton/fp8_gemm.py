@@ -120,8 +120,7 @@ def fp8_quantise(x):
 # makes it exact. (NaN codes 0x7F / 0xFF come out as +-480; checkpoints hold none.) Triton's
 # own cast takes three conversion-unit instructions per two values (e4m3x2 -> f16x2, then
 # f16 -> bf16 one by one), which at 16 conversions per SM and clock is slower than HBM.
-_E4M3_TO_BF16_PTX = tl.constexpr("""{
-.reg .b32 lo, hi, k;
+_E4M3_PERMUTE_PTX = """.reg .b32 lo, hi, k;
 mov.b32 k, 0x7B807B80;
 prmt.b32 lo, $2, 0, 0x9180;
 prmt.b32 hi, $2, 0, 0xB3A2;
@@ -129,9 +128,8 @@ shl.b32 lo, lo, 4;
 shl.b32 hi, hi, 4;
 and.b32 lo, lo, 0x87F087F0;
 and.b32 hi, hi, 0x87F087F0;
-mul.rn.bf16x2 $0, lo, k;
-mul.rn.bf16x2 $1, hi, k;
-}""")
+"""
+_E4M3_TO_BF16_PTX = tl.constexpr("{\n" + _E4M3_PERMUTE_PTX + "mul.rn.bf16x2 $0, lo, k;\nmul.rn.bf16x2 $1, hi, k;\n}")
 # "ptx": the permute above; "fp32": Triton's casts through fp32 (the interpreter's path, whose
 # bf16 arithmetic is not IEEE; on the GPU a slower reference). Same bf16 values either way.
 FP8_CONVERT = "ptx"
@@ -168,6 +166,33 @@ def dequant_words(words, scale_byte):
     w16 = tl.reshape(tl.join(even, odd), (words.shape[0], 4 * words.shape[1]))
     scale = (scale_byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return w16 * scale[:, None]
+
+
+# `_E4M3_TO_BF16_PTX` with a second multiply by a scale pair ($3: a power-of-two bf16 in both
+# halves): the dequantised pairs of `dequant_word_step`, whose words have their own scales.
+_E4M3_TO_BF16_SCALED_PTX = tl.constexpr("{\n" + _E4M3_PERMUTE_PTX + "mul.rn.bf16x2 lo, lo, k;\nmul.rn.bf16x2 hi, hi, k;\n"
+                                         "mul.rn.bf16x2 $0, lo, $3;\nmul.rn.bf16x2 $1, hi, $3;\n}")
+
+
+@triton.jit
+def dequant_word_step(words, scale_word, k0, BLOCK_K: tl.constexpr):
+    """int32 [R, BLOCK_K / 4] (the words of a whole K step at k0: BLOCK_K 64 or 128, inside
+    one 128-input scale word) times each 32-input piece's scale from the rows' scale words
+    (int32 [R], byte i for inputs 32i .. 32i + 31 of the 128) -> bf16 [R, BLOCK_K] in input
+    order: `dequant_words` over several pieces at once (the same permute and two exact
+    multiplies per pair, so the same values), for one MMA chain per K step instead of one per
+    piece (a quarter of the shared-memory barriers of the bf16 tile's round trip)."""
+    c = tl.arange(0, BLOCK_K // 4)
+    if BLOCK_K == 128:
+        shift = 8 * (c // 8)
+    else:
+        shift = 8 * ((k0 // 32) % 4 + c // 8)
+    sb = (scale_word[:, None] >> shift[None, :]) & 0xFF
+    pair = (sb << 7) | (sb << 23)  # the bf16 bits of 2**(sb - 127) in both halves (dequant_words' scale)
+    lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_SCALED_PTX, "=r,=r,r,r", [words, pair], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    pairs = tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+    even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(even, odd), (words.shape[0], 4 * words.shape[1]))
 
 
 # e2m1 -> bf16 for the 8 codes of a 32-bit word (`quant.fp4_kernel_layout`: nibble i holds
@@ -303,6 +328,12 @@ W8A16 = {
     "MIN_CHUNK_K": 256,
     "SPLIT_TILES_PER_SM": 1.0,
     "DEQUANT": "words",
+    # with "words": each K step dequantised as one tile and one dot (`dequant_word_step`; why:
+    # the STEP of `moe.MOE["rows"]`), not in pieces of 32; the same bits. check_kernels
+    # fp8_linear S9-1 (graph replays, pieces -> steps): M=1 wq_a 10.4 -> 8.9 us, wq_b 23.0 ->
+    # 20.4, wo_b 28.0 -> 23.5, shared.w2 12.8 -> 10.9; M=256 wq_b 93.4 -> 86.5, V4's wq_b 74.4
+    # -> 65.8; of 40 cases at M <= 256 slower in 3 (wq_b at M=64 30.6 -> 33.3, 9%)
+    "STEP": True,
     # split calls whose row tile is at most this many rows add their chunk partials in the
     # tile's last program (a ticket); wider tiles store them and `sum_chunks` adds them, spread
     # over many programs — the last program alone reading every chunk of a 128 x 128 tile was a
@@ -331,7 +362,7 @@ def _w8a16_kernel(
     QBLOCK: tl.constexpr, PIECE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, WORDS: tl.constexpr,
-    LOADS: tl.constexpr, ROWS: tl.constexpr, TICKET: tl.constexpr, A8: tl.constexpr,
+    LOADS: tl.constexpr, ROWS: tl.constexpr, TICKET: tl.constexpr, A8: tl.constexpr, STEP: tl.constexpr,
 ):
     """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
     by K chunk (the weight rows as the wgmma's M; see the knobs above).
@@ -350,7 +381,11 @@ def _w8a16_kernel(
     A8 (FP8 activations; PIECE 32, byte reads): x holds FP8 codes and xs their exponent bytes
     per 32 inputs (`fp8_act_quant`); each piece is one FP8 x FP8 MMA from zero straight from
     the weight codes, scaled by (weight scale x row scale) into the chunk's fp32 sum. The chunks
-    and their order are the same, so the same batch invariance."""
+    and their order are the same, so the same batch invariance.
+
+    STEP (WORDS; `W8A16["STEP"]`): each K step is dequantised as one tile and multiplied by one
+    dot (`dequant_word_step`; QBLOCK 32 reads the scales as int32 words of four blocks) — the
+    same wgmma chain as piece by piece, so the same bits."""
     pid = tl.program_id(0)
     tiles_t = tl.cdiv(M, BLOCK_T)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -379,11 +414,20 @@ def _w8a16_kernel(
     if WORDS:  # int32 words of 4 codes (EVEN_K: no K edge, so only rows are masked)
         rq = tl.arange(0, PIECE // 4)
         w_words = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        s_words = s_rows.to(tl.pointer_type(tl.int32), bitcast=True)  # (STEP with QBLOCK 32)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     chunk_end = k_lo + CHUNK_K
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // PIECE):
+        if STEP:
+            x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=t_ok[:, None], other=0.0)
+            w = tl.load(w_words + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :], mask=n_ok[:, None], other=0)
+            if QBLOCK == 32:
+                w = dequant_word_step(w, tl.load(s_words + k0 // 128, mask=n_ok, other=0), k0, BLOCK_K)
+            else:  # one scale for the step
+                w = dequant_words(w, tl.load(s_rows + k0 // QBLOCK, mask=n_ok, other=0).to(tl.int32))
+            acc = tl.dot(w, tl.trans(x), acc)
+        for j in tl.static_range(0 if STEP else BLOCK_K // PIECE):
             k = k0 + j * PIECE + rp
             if EVEN_K:
                 x = tl.load(x_rows + k[None, :], mask=t_ok[:, None], other=0.0)
@@ -497,6 +541,14 @@ def w8a16_words(ptx: bool, w: torch.Tensor, even_k: bool) -> bool:
     return W8A16["DEQUANT"] == "words" and ptx and even_k and w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0
 
 
+def w8a16_step(w_scale: torch.Tensor, block: int, block_k: int) -> bool:
+    """Whether a "words" call dequantises whole K steps (`W8A16["STEP"]`): 128-blocks, or
+    32-blocks whose scale rows read as int32 words of four (aligned, in whole 128 inputs),
+    and K steps inside one 128-input word."""
+    words = w_scale.data_ptr() % 4 == 0 and w_scale.stride(0) % 4 == 0 and w_scale.shape[1] % 4 == 0
+    return W8A16["STEP"] and 128 % block_k == 0 and (block == 128 or (block == 32 and words))
+
+
 def _tile_counters(device: torch.device, split: bool) -> torch.Tensor:
     """The split-K tickets of a device: zeroed once, and zeroed again by the program that uses
     one, so calls on one stream (and CUDA-graph replays) find them at zero. A zero fill
@@ -562,12 +614,13 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     part = torch.empty(chunks if split else 0, m, n, dtype=torch.float32, device=x.device)
     ptx = ptx_convert(x.device)
+    words = not a8 and w8a16_words(ptx, w, k % bk == 0)
     _w8a16_kernel[(tiles, chunks if split else 1)](
         x2, x_scale if a8 else x2, w, w_scale, out, part, _tile_counters(x.device, ticket), m, n, k, chunk_k, n // groups,
         x2.stride(0), x_scale.stride(0) if a8 else 0, w.stride(0), w_scale.stride(0), out.stride(0),
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
-        SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=not a8 and w8a16_words(ptx, w, k % bk == 0),
-        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, TICKET=ticket, A8=a8,
+        SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=words,
+        LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, TICKET=ticket, A8=a8, STEP=words and w8a16_step(w_scale, block, bk),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split and not ticket:

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import (
-    dequant_fp4, dequant_fp4_words, dequant_fp8, dequant_rows, dequant_words, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant,
+    dequant_fp4, dequant_fp4_words, dequant_fp8, dequant_rows, dequant_word_step, dequant_words, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant,
     fp8_quantise, ptx_convert, wgmma_tile_error,
 )
 
@@ -75,8 +75,16 @@ _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads co
 #   multiple of 16 x num_warps), BLOCK_K inputs per pipelined step (a multiple of 32), warps
 #   and pipeline depth; gate_up's optional STACK (default False): its BLOCK_N rows are
 #   BLOCK_N / 2 gate rows over their up rows in one accumulator (twice the programs, each
-#   with half the work: decode's few row tiles leave SMs idle). A row's bits depend on none
-#   of them.
+#   with half the work: decode's few row tiles leave SMs idle); STEP: with "words" (below) and
+#   FP8 weights, each K step's BLOCK_K inputs are dequantised as one tile and multiplied by one
+#   dot (`fp8_gemm.dequant_word_step`), not in pieces of 32: the same wgmma chain in the same K
+#   order, so the same bits, but one shared-memory round trip of the bf16 tile (two barriers)
+#   per step instead of one per piece (the sm_90 SASS of the piece loop: 8 barriers per K step
+#   of 128). Device call S9-1 (graph replays, 384 experts): T=1 0.113 -> 0.095 ms, T=8 0.650 ->
+#   0.572, T=64 3.24 -> 2.78, T=256 5.21 -> 4.52 (46 -> 55%, 59 -> 67%, 67 -> 78%, 63 -> 72% of
+#   the floor); in the 48-pair class (the 65-expert layer at 256 tokens) slower at 2 stages, 9.9
+#   -> 11.5 ms per 8 layers (S9-1; registers: gate_up 80 -> 152, down 156 -> 210), faster at 3
+#   (below). A row's bits depend on none of these knobs.
 # "ALIGN_MAX_PAIRS": up to this many (token, slot) pairs the expert layout is built by one
 #   Triton launch (each program reads every pair twice), above by torch's sort.
 # "PAIR_TILES_MAX_PAIRS": up to this many pairs there is no layout at all: pair p is row tile
@@ -103,29 +111,30 @@ MOE = {
             # S3-3: 252 programs at T=1 filled half a wave, 12% occupancy); moe_sweep S3-4: T=1
             # 138 -> 118 us, T=8 692 -> 643 us at 385 experts (65: 142 -> 120, 554 -> 516); at
             # T=64 of 385 experts (1.2 pairs per expert) it was 6% slower, hence the class bound
-            "BLOCK_T": 16,
+            "BLOCK_T": 16, "STEP": True,
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
             "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
         (4, {  # 3 stages: 36% vs 4 stages' 32% of the floor (gemm_sweep, device run 2)
-            "BLOCK_T": 16,
+            "BLOCK_T": 16, "STEP": True,
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
         (16, {  # stacked gate/up at 3 stages: 966 -> 936 us at T=64 of 65 experts (gemm_sweep
             # S4-3; 2 stages had beaten 3 unstacked in S3-4: 975 vs 1013 us)
-            "BLOCK_T": 32,
+            "BLOCK_T": 32, "STEP": True,
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
-        (48, {  # stacked gate/up, 2 stages: 1376 -> 1210 us at T=256 of 65 experts (~27 pairs
-            # per expert; gemm_sweep S4-3)
-            "BLOCK_T": 64,
-            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "STACK": True},
-            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+        (48, {  # stacked gate/up: 1376 -> 1210 us at T=256 of 65 experts (~27 pairs per expert;
+            # gemm_sweep S4-3, 2 stages); whole K steps need 3 stages here: moe_sweep S9-3, same
+            # shape, 1.218 ms (pieces, 2 stages) -> 1.416 (steps, 2) -> 1.176 (steps, 3)
+            "BLOCK_T": 64, "STEP": True,
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
         (None, {
-            "BLOCK_T": 128,  # gate_up: two [64, 128] fp32 accumulators, 243 registers at 4 warps
+            "BLOCK_T": 128, "STEP": False,  # gate_up: two [64, 128] fp32 accumulators, 243 registers at 4 warps
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
             "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
         }),
@@ -312,6 +321,7 @@ def _gate_up_kernel(
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
+    STEP: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
     transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`).
@@ -322,7 +332,10 @@ def _gate_up_kernel(
     FP4: the weights are compact FP4 (`quant.fp4_kernel_layout`, uint8 [E, rows, inputs / 2]),
     read as int32 words of 8 codes and dequantised exactly by `fp8_gemm.dequant_fp4_words` —
     the same bf16 values as their FP8 conversion, so the same products and bits; WORDS then
-    only says that the scales are read as words. LAST_SLOT: see `_tile_pairs`."""
+    only says that the scales are read as words. LAST_SLOT: see `_tile_pairs`. STEP (WORDS,
+    FP8 weights): each K step's words are dequantised as one tile (`fp8_gemm.dequant_word_step`)
+    and multiplied by one dot — the same wgmma chain in the same K order as piece by piece,
+    so the same bits (`MOE["rows"]`)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     # int64: an expert's offset e * stride_we passes 2**31 from expert 91 on at V4.1's shapes
@@ -357,7 +370,15 @@ def _gate_up_kernel(
             sg_word = tl.load(gate_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
             if not STACK:
                 su_word = tl.load(up_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
-        for j in tl.static_range(BLOCK_K // _PIECE):
+        if STEP:
+            x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None], other=0.0)
+            kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+            wg = dequant_word_step(tl.load(gate_words + kw[None, :], mask=n_ok[:, None], other=0), sg_word, k0, BLOCK_K)
+            acc_gate = tl.dot(wg, tl.trans(x), acc_gate)
+            if not STACK:
+                wu = dequant_word_step(tl.load(up_words + kw[None, :], mask=n_ok[:, None], other=0), su_word, k0, BLOCK_K)
+                acc_up = tl.dot(wu, tl.trans(x), acc_up)
+        for j in tl.static_range(0 if STEP else BLOCK_K // _PIECE):
             k = k0 + j * _PIECE + rp
             kb = (k0 + j * _PIECE) // _PIECE
             if FP4:  # 4 words of 8 codes per piece; D is a multiple of 32: a piece is all in or all out
@@ -408,10 +429,10 @@ def _down_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
+    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr, STEP: tl.constexpr,
 ):
     """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16),
-    computed transposed like `_gate_up_kernel` (FP4, LAST_SLOT: as there)."""
+    computed transposed like `_gate_up_kernel` (FP4, LAST_SLOT, STEP: as there)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES, LAST_SLOT)  # int64: see _gate_up_kernel
@@ -434,7 +455,12 @@ def _down_kernel(
     for k0 in range(0, I, BLOCK_K):
         if WORDS:
             s_word = tl.load(s_words + k0 // (4 * _PIECE), mask=n_ok, other=0)
-        for j in tl.static_range(BLOCK_K // _PIECE):
+        if STEP:
+            a = tl.load(a_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None], other=0.0)
+            kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+            w = dequant_word_step(tl.load(w_words + kw[None, :], mask=n_ok[:, None], other=0), s_word, k0, BLOCK_K)
+            acc = tl.dot(w, tl.trans(a), acc)
+        for j in tl.static_range(0 if STEP else BLOCK_K // _PIECE):
             k = k0 + j * _PIECE + rp
             kb = (k0 + j * _PIECE) // _PIECE
             if FP4:  # as in _gate_up_kernel
@@ -863,6 +889,7 @@ def moe_experts(
         the tiles of experts below `experts`."""
         w13_scale, w2_scale = w13_scale.view(torch.uint8).contiguous(), w2_scale.view(torch.uint8).contiguous()
         tiles = triton.cdiv(t, bt) if last_slot else n_tiles
+        gu_words, dn_words = _words(ptx, w13, w13_scale, gu["BLOCK_K"]), _words(ptx, w2, w2_scale, dn["BLOCK_K"])
         _gate_up_kernel[(tiles, gate_up_n)](
             x, w13, w13_scale, rows, tile_expert, weights, act,
             n_pairs, experts, d, inter,
@@ -870,7 +897,7 @@ def moe_experts(
             float(limit),
             TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
-            WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot,
+            WORDS=gu_words, PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot, STEP=gu_words and not fp4 and cfg["STEP"],
             num_warps=gu["num_warps"], num_stages=gu["num_stages"],
         )
         _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
@@ -879,7 +906,7 @@ def moe_experts(
             act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
             WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
-            WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
+            WORDS=dn_words, PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot, STEP=dn_words and not fp4 and cfg["STEP"],
             num_warps=dn["num_warps"], num_stages=dn["num_stages"],
         )
 
