@@ -155,15 +155,21 @@ def dequant_rows(w, scale_byte, PTX: tl.constexpr):
 
 
 @triton.jit
+def _bf16_from_pairs(pairs):
+    """int32 [R, P] of bf16 pairs (the first value in the low half) -> bf16 [R, 2P] in order:
+    the tail of every word dequantisation (two halves, interleaved back by join + reshape)."""
+    even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(even, odd), (pairs.shape[0], 2 * pairs.shape[1]))
+
+
+@triton.jit
 def dequant_words(words, scale_byte):
     """int32 [R, C] (4 e4m3 codes each, the first in the low byte) times 2**(scale_byte - 127)
     per row (int32 [R]) -> bf16 [R, 4C] in input order: `dequant_rows`' permute and
     multiplies on whole words (each word's two results split into bf16 halves and interleaved
     back into input order), so the same exact values."""
     lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_PTX, "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    pairs = tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
-    even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    w16 = tl.reshape(tl.join(even, odd), (words.shape[0], 4 * words.shape[1]))
+    w16 = _bf16_from_pairs(tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1])))
     scale = (scale_byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return w16 * scale[:, None]
 
@@ -190,9 +196,7 @@ def dequant_word_step(words, scale_word, k0, BLOCK_K: tl.constexpr):
     sb = (scale_word[:, None] >> shift[None, :]) & 0xFF
     pair = (sb << 7) | (sb << 23)  # the bf16 bits of 2**(sb - 127) in both halves (dequant_words' scale)
     lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_SCALED_PTX, "=r,=r,r,r", [words, pair], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    pairs = tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
-    even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    return tl.reshape(tl.join(even, odd), (words.shape[0], 4 * words.shape[1]))
+    return _bf16_from_pairs(tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1])))
 
 
 # e2m1 -> bf16 for the 8 codes of a 32-bit word (`quant.fp4_kernel_layout`: nibble i holds
@@ -231,9 +235,7 @@ def dequant_fp4_words(words, scale_byte, PTX: tl.constexpr):
         scale = (scale_byte + 126) << 7  # bf16 bits of 2**(scale_byte - 1), in both halves
         o0, o1, o2, o3 = tl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r", [words, ((scale << 16) | scale)[:, None]],
                                                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-        pairs = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1]))
-        even, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-        out = tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
+        out = _bf16_from_pairs(tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1])))
     else:  # fp32 views of the bit pairs (numpy's fp32 keeps subnormals; its bf16 is not IEEE)
         o0, o1, o2, o3 = _e2m1_pair_bits(words, 0), _e2m1_pair_bits(words, 1), _e2m1_pair_bits(words, 2), _e2m1_pair_bits(words, 3)
         pairs = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1]))
