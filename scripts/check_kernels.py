@@ -405,6 +405,19 @@ def section_moe_prefill() -> None:
     guarded("moe_prefill", "parts", moe_prefill_parts, data)
     for t in (4096, 8192):
         guarded("moe_prefill", f"tiles T={t}", moe_prefill_tiles, t, data)
+    del data, x, ids, weights, w13, s13, w2, s2
+    torch.cuda.empty_cache()
+    guarded("moe_prefill", "tiles T=8192 E=385", moe_prefill_tiles_real)
+
+
+def moe_prefill_tiles_real() -> None:
+    """The tilings at V4.1-Flash's 384 routed experts + the shared one (8192 tokens)."""
+    x, ids, weights, w13, s13, w2, s2 = moe_data(8192, seed=2, e=384)
+    w13, s13 = torch.cat([w13, w13[:1]]), torch.cat([s13, s13[:1]])
+    w2, s2 = torch.cat([w2, w2[:1]]), torch.cat([s2, s2[:1]])
+    ids = torch.cat([ids, torch.full_like(ids[:, :1], 384)], 1)
+    weights = torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
+    moe_prefill_tiles(8192, (x, ids, weights, w13, s13, w2, s2))
 
 
 def router_case(t: int, e: int) -> None:
@@ -441,14 +454,24 @@ def section_router() -> None:
             guarded("router", f"T={t} E={e}", router_case, t, e)
 
 
-# Grouped-kernel tilings tried at prefill sizes: (BLOCK_T, gate_up (BLOCK_N, BLOCK_K, warps,
-# stages), down (...)); the first is the default's largest row class.
+# Grouped-kernel tilings tried at prefill sizes: (BLOCK_T, STEP, gate_up (BLOCK_N, BLOCK_K,
+# warps, stages[, STACK]), down (...)[, MOE knobs]); the first was the largest row class's
+# default until S10-2 (now the fourth). Prefill
+# at V4.1-Flash's 385 experts always takes these kernels (its bf16 expert copies would not fit
+# `MOE["DENSE_TEMP_BYTES"]`): 8K tokens are ~150 pairs per expert.
 MOE_PREFILL_TILES = [
-    (128, (64, 64, 4, 3), (128, 64, 8, 3)),
-    (128, (128, 64, 8, 3), (128, 64, 8, 3)),
-    (128, (128, 64, 8, 4), (256, 64, 8, 3)),
-    (128, (128, 32, 8, 4), (128, 64, 8, 4)),
-    (64, (128, 64, 8, 4), (128, 64, 8, 4)),
+    (128, False, (64, 64, 4, 3), (128, 64, 8, 3)),
+    (128, True, (64, 64, 4, 3), (128, 64, 8, 3)),
+    (128, True, (128, 64, 8, 3), (128, 64, 8, 3)),
+    (128, True, (128, 64, 8, 3, True), (128, 64, 8, 3)),
+    (128, True, (128, 128, 8, 3, True), (128, 128, 8, 3)),
+    (256, True, (128, 64, 8, 3, True), (128, 64, 8, 3)),
+    (128, False, (128, 64, 8, 4), (256, 64, 8, 3)),
+    (64, True, (128, 64, 8, 4), (128, 64, 8, 4)),
+    # byte reads: the FP8 tile taken from shared memory in the wgmma's register-operand layout
+    # (no bf16 round trip through shared memory; more permutes per weight, fewer per MMA here)
+    (128, False, (128, 64, 8, 3, True), (128, 64, 8, 3), {"DEQUANT": "bytes"}),
+    (128, False, (64, 64, 4, 3), (128, 64, 8, 3), {"DEQUANT": "bytes"}),
 ]
 
 
@@ -485,9 +508,9 @@ def moe_prefill_tiles(t: int, data: tuple) -> None:
     xt, it, wt = x[:t], ids[:t], weights[:t]
     flops = 2 * it.numel() * 3 * (two_i // 2) * d
     ref = moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True)
-    for bt, gu, dn in MOE_PREFILL_TILES:
-        keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-        cand = {"cfg": {"BLOCK_T": bt, "STEP": False, "gate_up": dict(zip(keys, gu)), "down": dict(zip(keys, dn))}, "knobs": {}}
+    for bt, step, gu, dn, *knobs in MOE_PREFILL_TILES:
+        keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK")
+        cand = {"cfg": {"BLOCK_T": bt, "STEP": step, "gate_up": dict(zip(keys, gu)), "down": dict(zip(keys, dn))}, "knobs": knobs[0] if knobs else {}}
         label = moe_label(cand)
         try:
             with moe_knobs(cand):
@@ -1877,11 +1900,19 @@ def mhc_case(t: int) -> None:
     row_bytes = t * MHC_D * 2
     args = mhc_mixes_args(a)
     exact = mixes_fp64(a)
-    err_k = max_rel(triton_mhc.hc_mixes(*args), exact)
+    mixes = triton_mhc.hc_mixes(*args)
+    err_k = max_rel(mixes, exact)
     err_r = max_rel(mhc.hc_mixes_reference(*args), exact)
     nbytes = stream_bytes + a["fn"].numel() * 4 + t * 24 * 4
     t_k = median_time(lambda: triton_mhc.hc_mixes(*args))
     record("mhc_mixes", f"T={t}", "triton", ok=err_k <= max(2e-6, 2 * err_r), err=err_k, **perf(t_k, nbytes, 0, "bf16"))
+    if t >= 4096:  # prefill sizes: one program per row tile over all chunks (no split) must give the same bits
+        from unittest import mock
+
+        with mock.patch.object(triton_mhc, "SPLIT_MAX_BYTES", 0):
+            same = all(torch.equal(p, q) for p, q in zip(triton_mhc.hc_mixes(*args), mixes))
+            t_u = median_time(lambda: triton_mhc.hc_mixes(*args))
+        record("mhc_mixes", f"T={t}", "triton unsplit", ok=same, same_bits=same, **perf(t_u, nbytes, 0, "bf16"))
     t_r = median_time(lambda: mhc.hc_mixes_reference(*args))
     record("mhc_mixes", f"T={t}", "torch", err=err_r, **perf(t_r, nbytes, 0, "bf16"))
 
@@ -2125,7 +2156,7 @@ def compile_targets() -> list[tuple]:
                     if variant["WORDS"] and 128 % part["BLOCK_K"]:
                         continue
                     consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
-                              "STEP": variant["WORDS"] and not variant["FP4"] and cfg["STEP"], **variant}
+                              "STEP": variant["WORDS"] and cfg["STEP"], **variant}
                     if name == "gate_up":
                         consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False))
                     dequant = ("fp4 " if variant["FP4"] else "") + ("words" if variant["WORDS"] else "bytes")

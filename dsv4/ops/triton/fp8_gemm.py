@@ -181,6 +181,19 @@ _E4M3_TO_BF16_SCALED_PTX = tl.constexpr("{\n" + _E4M3_PERMUTE_PTX + "mul.rn.bf16
 
 
 @triton.jit
+def step_scale_bytes(scale_word, k0, BLOCK_K: tl.constexpr, CODES: tl.constexpr):
+    """int32 [R, BLOCK_K / CODES]: the scale byte of each word (CODES codes) of the K step at k0
+    (BLOCK_K 32, 64 or 128, inside the 128 inputs of the rows' scale words scale_word [R],
+    byte i for inputs 32i .. 32i + 31; little-endian)."""
+    c = tl.arange(0, BLOCK_K // CODES)
+    if BLOCK_K == 128:
+        shift = 8 * (c // (32 // CODES))
+    else:
+        shift = 8 * ((k0 // 32) % 4 + c // (32 // CODES))
+    return (scale_word[:, None] >> shift[None, :]) & 0xFF
+
+
+@triton.jit
 def dequant_word_step(words, scale_word, k0, BLOCK_K: tl.constexpr):
     """int32 [R, BLOCK_K / 4] (the words of a whole K step at k0: BLOCK_K 64 or 128, inside
     one 128-input scale word) times each 32-input piece's scale from the rows' scale words
@@ -188,12 +201,7 @@ def dequant_word_step(words, scale_word, k0, BLOCK_K: tl.constexpr):
     order: `dequant_words` over several pieces at once (the same permute and two exact
     multiplies per pair, so the same values), for one MMA chain per K step instead of one per
     piece (a quarter of the shared-memory barriers of the bf16 tile's round trip)."""
-    c = tl.arange(0, BLOCK_K // 4)
-    if BLOCK_K == 128:
-        shift = 8 * (c // 8)
-    else:
-        shift = 8 * ((k0 // 32) % 4 + c // 8)
-    sb = (scale_word[:, None] >> shift[None, :]) & 0xFF
+    sb = step_scale_bytes(scale_word, k0, BLOCK_K, 4)
     pair = (sb << 7) | (sb << 23)  # the bf16 bits of 2**(sb - 127) in both halves (dequant_words' scale)
     lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_SCALED_PTX, "=r,=r,r,r", [words, pair], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     return _bf16_from_pairs(tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1])))
@@ -230,10 +238,14 @@ def _e2m1_pair_bits(words, i: tl.constexpr):
 def dequant_fp4_words(words, scale_byte, PTX: tl.constexpr):
     """int32 [R, C] of 8 e2m1 codes each (`quant.fp4_kernel_layout`) times 2**(scale_byte -
     127) per row (int32 [R], at most `quant.FP4_MAX_SCALE_BYTE`: the multiplier 2**(scale_byte
-    - 1) must be a finite bf16) -> bf16 [R, 8C] in input order, exact (`_E2M1_TO_BF16_PTX`)."""
+    - 1) must be a finite bf16) -> bf16 [R, 8C] in input order, exact (`_E2M1_TO_BF16_PTX`).
+    PTX also takes a scale byte per word (int32 [R, C]: a whole K step, `step_scale_bytes`)."""
     if PTX:
         scale = (scale_byte + 126) << 7  # bf16 bits of 2**(scale_byte - 1), in both halves
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r", [words, ((scale << 16) | scale)[:, None]],
+        pair = (scale << 16) | scale
+        if len(scale_byte.shape) == 1:
+            pair = pair[:, None]
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r", [words, pair],
                                                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         out = _bf16_from_pairs(tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1])))
     else:  # fp32 views of the bit pairs (numpy's fp32 keeps subnormals; its bf16 is not IEEE)

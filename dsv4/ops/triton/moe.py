@@ -12,7 +12,8 @@ w13 holds w1 (gate) in rows 0..I-1 and w3 (up) in rows I..2I-1; the scales are E
 bytes, one per 32 inputs of a row — the exact FP4 -> FP8 conversion of the released experts
 (`quant.fp4_expert_to_fp8`), or the released FP4 codes themselves (uint8 [E, 2I, D/2] and
 [E, D, I/2], `quant.fp4_kernel_layout`, `ModelConfig.fp4_experts`: half the memory; the
-kernels dequantise them to the same bf16 values, so the same results, more slowly), then with
+kernels dequantise them to the same bf16 values, so the same results, in whole K steps 7-11%
+faster than FP8's at 384 experts, docs/PERF.md), then with
 V4.1's FP8 shared expert as `shared`. A routing weight of a token is applied before the down projection
 (V4.1, `weight_before_down`) or to its output (V4); the result is the fp32 sum over the k
 experts in ascending expert id, as the reference accumulates. (V4's reference accumulates in
@@ -55,7 +56,7 @@ import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import (
     dequant_fp4, dequant_fp4_words, dequant_fp8, dequant_rows, dequant_word_step, dequant_words, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant,
-    fp8_quantise, ptx_convert, wgmma_tile_error,
+    fp8_quantise, ptx_convert, step_scale_bytes, wgmma_tile_error,
 )
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
@@ -75,9 +76,9 @@ _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads co
 #   multiple of 16 x num_warps), BLOCK_K inputs per pipelined step (a multiple of 32), warps
 #   and pipeline depth; gate_up's optional STACK (default False): its BLOCK_N rows are
 #   BLOCK_N / 2 gate rows over their up rows in one accumulator (twice the programs, each
-#   with half the work: decode's few row tiles leave SMs idle); STEP: with "words" (below) and
-#   FP8 weights, each K step's BLOCK_K inputs are dequantised as one tile and multiplied by one
-#   dot (`fp8_gemm.dequant_word_step`), not in pieces of 32: the same wgmma chain in the same K
+#   with half the work: decode's few row tiles leave SMs idle); STEP: with "words" (below; FP8 or
+#   FP4 weights), each K step's BLOCK_K inputs are dequantised as one tile and multiplied by one
+#   dot (`_step_weights`), not in pieces of 32: the same wgmma chain in the same K
 #   order, so the same bits, but one shared-memory round trip of the bf16 tile (two barriers)
 #   per step instead of one per piece (the sm_90 SASS of the piece loop: 8 barriers per K step
 #   of 128). Device call S9-1 (graph replays, 384 experts): T=1 0.113 -> 0.095 ms, T=8 0.650 ->
@@ -133,9 +134,12 @@ MOE = {
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
-        (None, {
-            "BLOCK_T": 128, "STEP": False,  # gate_up: two [64, 128] fp32 accumulators, 243 registers at 4 warps
-            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+        (None, {  # prefill: stacked gate/up (one [128, 128] accumulator at 8 warps), whole K
+            # steps; moe_prefill S10-2, 8192 tokens: 385 experts 17.8 -> 16.7 ms, 65 experts
+            # 13.8 -> 13.0 (4096 tokens 7.5 -> 6.7) against unstacked 64-row gate/up at 4 warps
+            # in pieces; 256-row tiles were faster at 65 experts (11.9) but slower at 385 (19.8)
+            "BLOCK_T": 128, "STEP": True,
+            "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "STACK": True},
             "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
         }),
     ),
@@ -188,6 +192,17 @@ def _piece_scale(scale_word, scale_ptrs, ok, k0, j: tl.constexpr, BLOCK_K: tl.co
     else:
         sb = tl.load(scale_ptrs, mask=ok, other=0).to(tl.int32)
     return sb
+
+
+@triton.jit
+def _step_weights(words, scale_word, k0, BLOCK_K: tl.constexpr, FP4: tl.constexpr):
+    """bf16 [R, BLOCK_K]: a whole K step of weight words (FP8: 4 codes each; FP4: 8, the
+    kernel layout) with each piece's scale from the rows' scale words (compiled PTX only)."""
+    if FP4:
+        w = dequant_fp4_words(words, step_scale_bytes(scale_word, k0, BLOCK_K, 8), True)
+    else:
+        w = dequant_word_step(words, scale_word, k0, BLOCK_K)
+    return w
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_experts", "n_tiles"])
@@ -332,9 +347,9 @@ def _gate_up_kernel(
     FP4: the weights are compact FP4 (`quant.fp4_kernel_layout`, uint8 [E, rows, inputs / 2]),
     read as int32 words of 8 codes and dequantised exactly by `fp8_gemm.dequant_fp4_words` —
     the same bf16 values as their FP8 conversion, so the same products and bits; WORDS then
-    only says that the scales are read as words. LAST_SLOT: see `_tile_pairs`. STEP (WORDS,
-    FP8 weights): each K step's words are dequantised as one tile (`fp8_gemm.dequant_word_step`)
-    and multiplied by one dot — the same wgmma chain in the same K order as piece by piece,
+    only says that the scales are read as words. LAST_SLOT: see `_tile_pairs`. STEP (WORDS):
+    each K step's words (FP8 or FP4) are dequantised as one tile (`_step_weights`) and
+    multiplied by one dot — the same wgmma chain in the same K order as piece by piece,
     so the same bits (`MOE["rows"]`)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -372,11 +387,11 @@ def _gate_up_kernel(
                 su_word = tl.load(up_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
         if STEP:
             x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None], other=0.0)
-            kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            wg = dequant_word_step(tl.load(gate_words + kw[None, :], mask=n_ok[:, None], other=0), sg_word, k0, BLOCK_K)
+            kw = k0 // (8 if FP4 else 4) + tl.arange(0, BLOCK_K // (8 if FP4 else 4))
+            wg = _step_weights(tl.load(gate_words + kw[None, :], mask=n_ok[:, None], other=0), sg_word, k0, BLOCK_K, FP4)
             acc_gate = tl.dot(wg, tl.trans(x), acc_gate)
             if not STACK:
-                wu = dequant_word_step(tl.load(up_words + kw[None, :], mask=n_ok[:, None], other=0), su_word, k0, BLOCK_K)
+                wu = _step_weights(tl.load(up_words + kw[None, :], mask=n_ok[:, None], other=0), su_word, k0, BLOCK_K, FP4)
                 acc_up = tl.dot(wu, tl.trans(x), acc_up)
         for j in tl.static_range(0 if STEP else BLOCK_K // _PIECE):
             k = k0 + j * _PIECE + rp
@@ -457,8 +472,8 @@ def _down_kernel(
             s_word = tl.load(s_words + k0 // (4 * _PIECE), mask=n_ok, other=0)
         if STEP:
             a = tl.load(a_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None], other=0.0)
-            kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            w = dequant_word_step(tl.load(w_words + kw[None, :], mask=n_ok[:, None], other=0), s_word, k0, BLOCK_K)
+            kw = k0 // (8 if FP4 else 4) + tl.arange(0, BLOCK_K // (8 if FP4 else 4))
+            w = _step_weights(tl.load(w_words + kw[None, :], mask=n_ok[:, None], other=0), s_word, k0, BLOCK_K, FP4)
             acc = tl.dot(w, tl.trans(a), acc)
         for j in tl.static_range(0 if STEP else BLOCK_K // _PIECE):
             k = k0 + j * _PIECE + rp
@@ -897,7 +912,7 @@ def moe_experts(
             float(limit),
             TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
-            WORDS=gu_words, PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot, STEP=gu_words and not fp4 and cfg["STEP"],
+            WORDS=gu_words, PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot, STEP=gu_words and cfg["STEP"],
             num_warps=gu["num_warps"], num_stages=gu["num_stages"],
         )
         _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
@@ -906,7 +921,7 @@ def moe_experts(
             act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
             WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
-            WORDS=dn_words, PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot, STEP=dn_words and not fp4 and cfg["STEP"],
+            WORDS=dn_words, PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot, STEP=dn_words and cfg["STEP"],
             num_warps=dn["num_warps"], num_stages=dn["num_stages"],
         )
 
