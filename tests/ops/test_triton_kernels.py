@@ -988,7 +988,8 @@ def test_route_scores_matches_reference(t, e, k, normalize, extra, monkeypatch):
 
 def test_route_scores_rows_do_not_depend_on_batch(monkeypatch):
     """A token alone (one row tile, one program per K chunk) gets the bits it gets in a batch of
-    150 (three row tiles, every chunk in one program on the interpreter's 4 'SMs')."""
+    150 (three row tiles: split as well while its partials fit `mhc.SPLIT_MAX_BYTES`; with the
+    cap at 0, every chunk in one program on the interpreter's 4 'SMs')."""
     from dsv4.ops.triton import mhc as tmhc
     from dsv4.ops.triton import router
 
@@ -1001,8 +1002,13 @@ def test_route_scores_rows_do_not_depend_on_batch(monkeypatch):
     x[0, [0, 128, 256]] = 1
     gate[:, 0], gate[:, 128] = 1e8, -1e8
     x, gate, bias = x.to(DEVICE), gate.to(DEVICE), bias.to(DEVICE)
+    # the batch's partials (3 x 150 x 64 fp32) fit SPLIT_MAX_BYTES: it splits too, unless the cap is 0
+    assert tmhc.fp32_gemm_parts(x, gate, False).shape[0] == 3
+    split_batch = router.route_scores(x, gate, bias, 6, 1.7, 2.5, True, 64)
+    monkeypatch.setattr(tmhc, "SPLIT_MAX_BYTES", 0)
     assert tmhc.fp32_gemm_parts(x[:1], gate, False).shape[0] == 3 and tmhc.fp32_gemm_parts(x, gate, False).shape[0] == 1
     batch = router.route_scores(x, gate, bias, 6, 1.7, 2.5, True, 64)
+    assert all(torch.equal(a, b) for a, b in zip(split_batch, batch))
     for i in (0, 77, 149):
         alone = router.route_scores(x[i : i + 1], gate, bias, 6, 1.7, 2.5, True, 64)
         assert all(torch.equal(a[0], b[i]) for a, b in zip(alone, batch))

@@ -70,6 +70,14 @@ CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 256, "num_warps": 8, "num_stage
 # on the block width (check_kernels `invariance_fp32_gemm`, H200, fifth session).
 SPLIT_BLOCK_N = 32
 WIDE_BLOCK_N = 64
+# Calls whose chunk partials (fp32 [chunks, T, cols]) take at most this many bytes split too,
+# whatever their row tiles: unsplit, a prefill's mixes run 128 programs at 8K rows, one per
+# row tile, each through all 320 K steps of 20480 inputs; split, 80 programs per row tile run
+# 4 steps each and the partials (84 MB at 8K rows of mHC's 32 columns) cross HBM twice.
+# check_kernels mhc S10-2: mixes at 8192 rows 0.542 -> 0.353 ms (same bits), at 4096 level
+# (0.183); prefill 8K 87.4 -> 86.6 ms. The compressor's 1024 columns (80 KB of partials a
+# row) stay unsplit.
+SPLIT_MAX_BYTES = 384 << 20
 # Columns per program of `hc_expand`.
 EXPAND_BLOCK_D = 1024
 
@@ -162,7 +170,8 @@ def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Ten
     bt = CONFIG["BLOCK_T"]
     per, chunks = fp32_chunks(k)
     tiles = triton.cdiv(t, bt)
-    split = chunks if 2 * tiles * (cols // min(cols, SPLIT_BLOCK_N)) <= num_sms(x2.device) else 1
+    few_tiles = 2 * tiles * (cols // min(cols, SPLIT_BLOCK_N)) <= num_sms(x2.device)
+    split = chunks if few_tiles or chunks * t * cols * 4 <= SPLIT_MAX_BYTES else 1
     block_n = min(cols, SPLIT_BLOCK_N if split > 1 else WIDE_BLOCK_N)
     part = torch.empty(split, t, cols, dtype=torch.float32, device=x2.device)
     if t:
@@ -244,7 +253,8 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     """`ops.mhc.hc_mixes` for bf16 x [T, hc, D]: -> pre [T, hc], post [T, hc], comb [T, hc, hc].
 
     The split (one program per chunk) is used when the row tiles alone would leave at least
-    half of the SMs idle; both modes give the same bits."""
+    half of the SMs idle or its partials are small (`SPLIT_MAX_BYTES`); both modes give the
+    same bits."""
     t = x.shape[0]
     k = x.shape[1] * x.shape[2]
     pre = torch.empty(t, hc, dtype=torch.float32, device=x.device)
