@@ -34,8 +34,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="quantise the inputs of the FP8/FP4 GEMMs to FP8 per 32 columns, as DeepSeek's reference does "
                         "(V4.1; FP8 x FP8 expert GEMMs on the fast path); default off: HF's numerics (the golden data)")
     p.add_argument("--fp4-experts", action=argparse.BooleanOptionalAction, default=False,
-                   help="keep the routed experts FP4 on the GPU as released (half their memory; a slower MoE, the same "
-                        "results); default: converted exactly to FP8 at load")
+                   help="keep the routed experts FP4 on the GPU as released (half their memory, the same results; "
+                        "faster expert kernels, but the shared expert's own launches slow batch 1); default: converted exactly to FP8 at load")
 
 
 ENGINE_KEYS = ("device", "dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching",

@@ -129,7 +129,8 @@ class ModelConfig:
     fp8_activations: bool = False
     # storage, chosen by the engine: compact (GPU) weights keep the routed experts FP4 as
     # released (half the bytes: V4.1's 40 layers of experts 272 instead of 544 GB; the MoE
-    # kernels' FP4 variant, the same results, measured 1.2-1.6x slower per layer) instead of
+    # kernels' FP4 variant, the same results; its kernels beat FP8's by 7-11% at 384 experts, but
+    # the FP8 shared expert then takes its own launches: docs/PERF.md, tenth session) instead of
     # converting them exactly to FP8; not with fp8_activations (its kernels multiply FP8 codes)
     fp4_experts: bool = False
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -508,7 +509,7 @@ class EngineConfig:
     # reference numerics); off: HF's numerics, which the golden data holds
     fp8_activations: bool = False
     # keep the routed experts FP4 on the GPU (`ModelConfig.fp4_experts`: half their memory, a
-    # slower MoE); off: converted exactly to FP8 at load
+    # MoE as fast or faster but at batch 1, docs/PERF.md); off: converted exactly to FP8 at load
     fp4_experts: bool = False
 
     def __post_init__(self) -> None:
