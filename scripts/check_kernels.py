@@ -66,6 +66,7 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "attention": 0.15,
     "invariance": 0.3,  # 0.15 ran out before its mHC / engram checks (S3-5)
     "attention_sweep": 0.15,
+    "attention_prefill": 0.1,
     "indexer": 0.15,
     "kv_store": 0.08,
     "engram": 0.1,
@@ -1064,6 +1065,15 @@ def attention_data(t: int, decode: bool, seed: int = 0) -> dict:
     return attention_inputs(attention_caches(t if decode else 1, g), t, decode, g)
 
 
+def attention_plan(t: int, device: torch.device, cfg: dict) -> dict:
+    """The launch plan of an `attention_inputs` call at t tokens (its block tables: one per
+    request, 256 blocks)."""
+    from dsv4.ops.triton import attention
+
+    reqs = t if t <= 256 else 1
+    return attention.launch_plan(t, ATTN_SHAPE["h"], ATTN_SHAPE["dim"], ATTN_SHAPE["window"], ATTN_SHAPE["top"], device, cfg, reqs, 256 * ATTN_SHAPE["per_block"])
+
+
 def attention_cost(args: dict, decode: bool) -> tuple[float, float]:
     """(bytes, FLOPs) of one call: q and out, window keys (ring FP8 per decode token; the
     chunk's own bf16 keys once in prefill), the distinct top-k entries (FP4 + scales)."""
@@ -1094,6 +1104,13 @@ def attention_case(t: int) -> None:
     record("sparse_attention", case, "triton", ok=err <= 4 * 2**-8, err=err, **perf(t_k, nbytes, flops, "bf16"))
     t_r = median_time(lambda: attention_ops.sparse_attention_reference(**args), reps=3, warmup=1)
     record("sparse_attention", case, "torch_gather", **perf(t_r, nbytes, flops, "bf16"))
+    plan = attention_plan(t, args["q"].device, attention.CONFIG)
+    if plan["DENSE_CKV"]:  # the default read the dense copy: the cache-key form too, and its bits
+        y = attention.sparse_attention(**args)
+        cached = {"DENSE_CKV": False}
+        same = torch.equal(attention.sparse_attention(**args, config=cached), y)
+        t_c = median_time(lambda: attention.sparse_attention(**args, config=cached), reps=10)
+        record("sparse_attention", case, "triton cache keys", same_bits=same, **perf(t_c, nbytes, flops, "bf16"))
 
 
 def section_attention() -> None:
@@ -1145,7 +1162,7 @@ def attention_spreads(cand: dict) -> set[tuple[int, int, bool]]:
 
     cfg = {**attention.CONFIG, **cand}
     if torch.cuda.is_available():
-        plans = [attention.launch_plan(t, ATTN_SHAPE["h"], ATTN_SHAPE["dim"], ATTN_SHAPE["window"], ATTN_SHAPE["top"], torch.device("cuda"), cfg) for t in ATTN_SWEEP_ROWS]
+        plans = [attention_plan(t, torch.device("cuda"), cfg) for t in ATTN_SWEEP_ROWS]
         return {(p["LOGIT_BLOCK_H"], p["DSPLIT"], p["tiles_per_program"] == 1) for p in plans}
     heads = attention.LOGIT_BLOCK_HS if cfg["LOGIT_BLOCK_H"] == "auto" else (cfg["LOGIT_BLOCK_H"],)
     splits = attention.AUTO_DSPLITS if cfg["DSPLIT"] == "auto" else (cfg["DSPLIT"],)
@@ -1204,8 +1221,8 @@ def attention_sweep_jobs() -> list[tuple[int, dict]]:
     for t in ATTN_SWEEP_ROWS:
         for cand in ATTN_SWEEP:
             cfg = {**attention.CONFIG, **cand}
-            plan = attention.launch_plan(t, ATTN_SHAPE["h"], ATTN_SHAPE["dim"], ATTN_SHAPE["window"], ATTN_SHAPE["top"], torch.device("cuda"), cfg)
-            key = (plan["LOGIT_BLOCK_H"], plan["DSPLIT"], plan["tiles_per_program"] == 1, *(cfg[k] for k in ATTN_LOGIT_KEYS + ATTN_PV_KEYS))
+            plan = attention_plan(t, torch.device("cuda"), cfg)
+            key = (plan["LOGIT_BLOCK_H"], plan["DSPLIT"], plan["tiles_per_program"] == 1, plan["DENSE_CKV"], *(cfg[k] for k in ATTN_LOGIT_KEYS + ATTN_PV_KEYS))
             if key not in seen:
                 seen.add(key)
                 jobs.append((t, cand))
@@ -1250,7 +1267,7 @@ def attention_sweep_shape(t: int, deadline: float) -> None:
         if time.time() > deadline:
             record("attention_sweep", f"T={t} {label}", "skipped", reason=f"sweep past {ATTN_SWEEP_SECONDS:.0f} s")
             continue
-        plan = attention.launch_plan(t, ATTN_SHAPE["h"], ATTN_SHAPE["dim"], ATTN_SHAPE["window"], ATTN_SHAPE["top"], sets[0]["q"].device, {**attention.CONFIG, **cand})
+        plan = attention_plan(t, sets[0]["q"].device, {**attention.CONFIG, **cand})
         y = attention.sparse_attention(**sets[0], config=cand)
         base = y if base is None else base
         err = norm_err(y, ref)
@@ -1281,6 +1298,54 @@ def section_attention_sweep() -> None:
     record("attention_sweep", "compile warm-up", f"{ATTN_SWEEP_WORKERS} workers, {len(attention_sweep_jobs())} kernel pairs, {time.time() - start:.0f} s, {len(failed)} failed", failed=failed)
     for t in ATTN_SWEEP_ROWS:
         guarded("attention_sweep", f"T={t}", attention_sweep_shape, t, deadline)
+
+
+# Prefill chunks of one request (64K context, 256 blocks of 128 entries), the compressed keys
+# from the cache (FP4, decoded at every use) and from the dense copy under pipeline depths /
+# warps; every candidate must give the default's bits.
+ATTN_PREFILL_ROWS = (1024, 4096, 8192)
+ATTN_PREFILL = [
+    {},
+    {"DENSE_CKV": False},
+    {"dense_stages": 2},
+    {"dense_stages": 4},
+    {"logit_warps": 4},  # other bits (the wgmma tiles of 4 warps): timed, not a candidate default
+    {"pv_stages": 2},
+    {"DSPLIT": 2},
+    {"DSPLIT": 4},
+    {"dense_logit_maxnreg": None},  # one logits program per SM (211 registers)
+    {"dense_logit_maxnreg": 168},
+    {"PV_BLOCK_N": 64, "pv_stages": 2},
+]
+
+
+def attention_prefill_shape(t: int) -> None:
+    from dsv4.ops import attention as attention_ops
+    from dsv4.ops.triton import attention
+
+    args = attention_data(t, False, seed=t)
+    nbytes, flops = attention_cost(args, False)
+    ref = attention_ops.sparse_attention_reference(**args)
+    base = None
+    for cand in ATTN_PREFILL:
+        plan = attention_plan(t, args["q"].device, {**attention.CONFIG, **cand})
+        y = attention.sparse_attention(**args, config=cand)
+        base = y if base is None else base
+        err = norm_err(y, ref)
+        t_k = graph_time([lambda: attention.sparse_attention(**args, config=cand)], reps=10)
+        record("attention_prefill", f"T={t} {attention_label(cand)}", "graph", ok=err <= 4 * 2**-8, err=err, same_bits=torch.equal(y, base),
+               dense=plan["DENSE_CKV"], **perf(t_k, nbytes, flops, "bf16"))
+    t_d = graph_time([lambda: attention.dense_ckv(args["ckv_codes"], args["ckv_scales"], args["block_tables"], attention.CONFIG["PIECE"])], reps=10)
+    entries = args["block_tables"].numel() * ATTN_SHAPE["per_block"]
+    dim = ATTN_SHAPE["dim"]
+    record("attention_prefill", f"T={t} dense copy alone ({entries} entries)", "graph", **perf(t_d, entries * (dim // 2 + dim // 16 + 2 * dim), 0, "bf16"))
+    del args, ref
+    torch.cuda.empty_cache()
+
+
+def section_attention_prefill() -> None:
+    for t in ATTN_PREFILL_ROWS:
+        guarded("attention_prefill", f"T={t}", attention_prefill_shape, t)
 
 
 # ------------------------------------------------------------------------------ indexer
@@ -2049,6 +2114,16 @@ def invariance_attention() -> None:
     for spread in spreads + [{"LOGIT_BLOCK_H": b} for b in attention.LOGIT_BLOCK_HS[1:]]:
         same = torch.equal(attention.sparse_attention(**args, config=spread), batch)
         record("invariance", f"sparse_attention T=64 {attention_label(spread)} vs default", "triton", ok=same)
+    # the decode batch's keys from the dense copy under every channel split (wgmma operands
+    # from shared memory instead of registers)
+    for d in attention.DSPLITS:
+        spread = {"DENSE_CKV": True, "DSPLIT": d}
+        same = torch.equal(attention.sparse_attention(**args, config=spread), batch)
+        record("invariance", f"sparse_attention T=64 {attention_label(spread)} vs default", "triton", ok=same)
+    chunk = attention_data(1024, False, seed=2)  # "auto": the dense copy
+    same = torch.equal(attention.sparse_attention(**chunk), attention.sparse_attention(**chunk, config={"DENSE_CKV": False}))
+    record("invariance", "sparse_attention: 1024-token chunk, dense copy vs cache keys", "triton", ok=same,
+           dense=attention_plan(1024, chunk["q"].device, attention.CONFIG)["DENSE_CKV"])
 
 
 def invariance_fp32_gemm() -> None:
@@ -2241,25 +2316,40 @@ def attention_compile_targets() -> list[tuple]:
     a = "i32:16"  # sizes and strides that are multiples of 16 at the real shapes
     idx = {n: "*i64:16" for n in ("topk_ptr", "token_req_ptr", "pos_ptr", "start_ptr", "row_ptr", "slot_ptr", "floor_ptr", "block_table_ptr")}
     caches = dict(idx, kv_new_ptr="*bf16:16", ring_ptr="*fp8e4nv:16", ring_scale_ptr="*u8:16", ckv_ptr="*u8:16", ckv_scale_ptr="*fp8e4nv:16", s_ptr="*bf16:16", stat_ptr="*fp32:16")
-    logits = dict(caches, q_ptr="*bf16:16", H=a, n_top=a, n_keys=a, n_tiles="i32", tiles_per_program="i32", sm_scale="fp32",
-                  stride_qt=a, stride_qh=a, stride_kv=a, stride_top=a, stride_bt=a)
-    pv = dict(caches, sink_ptr="*fp32:16", out_ptr="*bf16:16", H=a, n_top=a, n_keys=a,
+    logits = dict(caches, q_ptr="*bf16:16", dense_ptr="*bf16:16", H=a, n_top=a, n_keys=a, n_tiles="i32", tiles_per_program="i32", sm_scale="fp32",
+                  dense_rows=a, stride_qt=a, stride_qh=a, stride_kv=a, stride_top=a, stride_bt=a)
+    pv = dict(caches, sink_ptr="*fp32:16", dense_ptr="*bf16:16", out_ptr="*bf16:16", H=a, n_top=a, n_keys=a, dense_rows=a,
               stride_kv=a, stride_top=a, stride_bt=a, stride_ot=a, stride_oh=a)
     shape = {"WINDOW": ATTN_SHAPE["window"], "PER_BLOCK": ATTN_SHAPE["per_block"], "DIM": ATTN_SHAPE["dim"]}
     out = []
     # wgmma only: that a head block or a channel slice (the MMA's N) leaves every element's
-    # bits alone, which batch invariance rests on, holds within one MMA family
+    # bits alone, which batch invariance rests on, holds within one MMA family. The default's
+    # variants also with the dense copy's keys (any batch size may take it; the
+    # attention_prefill alternatives compile on the device only: a cold sm_90 compile of each
+    # takes seconds, and this runs in CI).
+    def default(cfg: dict, keys: tuple) -> bool:
+        return all(cfg[k] == attention.CONFIG[k] for k in keys if k not in ("LOGIT_BLOCK_H", "DSPLIT", "PV_BLOCK_N"))
+
     for cfg in attention_logit_variants():
         c = {**attention.CONFIG, **cfg}
-        consts = dict(shape, BLOCK_H=c["LOGIT_BLOCK_H"], BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"])
-        label = f"attention logits BH={c['LOGIT_BLOCK_H']} BN={c['LOGIT_BLOCK_N']} piece={c['PIECE']} w={c['logit_warps']} s={c['logit_stages']}"
-        out.append((label, attention._logits_kernel, logits, consts, {"num_warps": c["logit_warps"], "num_stages": c["logit_stages"]}, "wgmma"))
+        for dense, stages in [(False, c["dense_stages"])] + ([(True, c["dense_stages"])] if default(c, ATTN_LOGIT_KEYS) else []):
+            consts = dict(shape, BLOCK_H=c["LOGIT_BLOCK_H"], BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"], DENSE=dense, DENSE_STAGES=stages)
+            label = (f"attention logits BH={c['LOGIT_BLOCK_H']} BN={c['LOGIT_BLOCK_N']} piece={c['PIECE']} w={c['logit_warps']} s={c['logit_stages']}"
+                     + (f" dense s={stages} maxnreg={c['dense_logit_maxnreg']}" if dense else ""))
+            options = {"num_warps": c["logit_warps"], "num_stages": c["logit_stages"]}
+            if dense and c["dense_logit_maxnreg"]:
+                options["maxnreg"] = c["dense_logit_maxnreg"]
+            out.append((label, attention._logits_kernel, logits, consts, options, "wgmma"))
     for cfg in attention_pv_variants():
         c = {**attention.CONFIG, **cfg}
         n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-ATTN_SHAPE["top"] // c["LOGIT_BLOCK_N"])
-        consts = dict(shape, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"])
-        label = f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']} tiles={n_tiles}"
-        out.append((label, attention._pv_kernel, pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
+        for dense in (False, True) if default(c, ATTN_PV_KEYS) else (False,):
+            consts = dict(shape, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"], DENSE=dense, PIECE=c["PIECE"])
+            label = f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']} tiles={n_tiles}{' dense' if dense else ''}"
+            out.append((label, attention._pv_kernel, pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
+    copy = {"ckv_ptr": "*u8:16", "ckv_scale_ptr": "*fp8e4nv:16", "block_table_ptr": "*i64:16", "dense_ptr": "*bf16:16", "n_blocks": "i32", "entries": a, "stride_bt": a}
+    out.append(("attention dense copy", attention._dense_ckv_kernel, copy,
+                {"PER_BLOCK": ATTN_SHAPE["per_block"], "DIM": ATTN_SHAPE["dim"], "PIECE": attention.CONFIG["PIECE"], "ROWS": attention.DENSE_ROWS}, {"num_warps": 4}))
     return out
 
 

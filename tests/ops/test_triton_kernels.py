@@ -816,6 +816,9 @@ ATTN_SPREADS = [
     {"TILES_PER_PROGRAM": 1, "LOGIT_BLOCK_H": 16, "DSPLIT": 1},
     {"TILES_PER_PROGRAM": 2, "LOGIT_BLOCK_H": 32, "DSPLIT": 2},
     {"TILES_PER_PROGRAM": 64, "LOGIT_BLOCK_H": 64, "DSPLIT": 4},
+    # the compressed keys from the dense bf16 copy (prefill-sized steps) instead of the cache
+    {"DENSE_CKV": True, "DSPLIT": 1},
+    {"DENSE_CKV": True, "TILES_PER_PROGRAM": 1, "LOGIT_BLOCK_H": 16, "DSPLIT": 4},
 ]
 
 
@@ -858,31 +861,61 @@ def test_sparse_attention_matches_reference(case, tiling):
     assert torch.equal(tattn.sparse_attention(**_token_alone(dev, last), config=cfg)[0], y[last])
 
 
+def test_dense_ckv_copy_is_the_cache_decoding_in_pieces():
+    """Row b * max_blocks * P + j of the dense copy is entry j of request b decoded as the
+    torch path decodes it, channels in operand pieces (even then odd channels of each run of
+    `piece` pairs); -1 table slots give zero rows."""
+    g = _gen(5)
+    per_block, dim, piece = 4, 64, 8
+    codes, scales = quant.quantize_fp4(torch.randn(6, per_block, dim, generator=g), 16, e4m3_scale=True)
+    tables = torch.tensor([[3, 0, -1], [5, 2, 1]])
+    dense = tattn.dense_ckv(codes.to(DEVICE), scales.to(DEVICE), tables.to(DEVICE), piece).cpu()
+    assert dense.shape == (2 * 3 * per_block, dim) and dense.dtype == torch.bfloat16
+    want = quant.dequantize_fp4(codes, scales, torch.bfloat16, 16)[tables.clamp_min(0)]  # [B, max_blocks, P, D]
+    want = want.masked_fill((tables < 0)[:, :, None, None], 0).reshape(-1, dim // 2 // piece, piece, 2)
+    assert torch.equal(dense, want.transpose(-1, -2).reshape(-1, dim))
+
+
+def test_sparse_attention_dense_keys_when_used_enough(monkeypatch):
+    """"auto" copies the compressed entries when the selections use them DENSE_MIN_USES times
+    on average and the copy fits DENSE_MAX_BYTES; never without selections."""
+    cfg, cpu = tattn.CONFIG, torch.device("cpu")
+    prefill = tattn.launch_plan(8192, 64, 512, 128, 512, cpu, cfg, 1, 2048)
+    decode = tattn.launch_plan(64, 64, 512, 128, 512, cpu, cfg, 64, 8192)
+    assert prefill["DENSE_CKV"] and not decode["DENSE_CKV"]
+    assert not tattn.launch_plan(8192, 64, 512, 128, 0, cpu, cfg, 1, 2048)["DENSE_CKV"]
+    assert not tattn.launch_plan(8192, 64, 512, 128, 0, cpu, dict(cfg, DENSE_CKV=True), 1, 2048)["DENSE_CKV"]
+    monkeypatch.setattr(tattn, "DENSE_MAX_BYTES", 2048 * 512 * 2 - 1)
+    assert not tattn.launch_plan(8192, 64, 512, 128, 512, cpu, cfg, 1, 2048)["DENSE_CKV"]
+    with pytest.raises(ValueError, match="DENSE_CKV"):
+        tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, DENSE_CKV="yes"), 1, 16)
+
+
 def test_sparse_attention_launch_plan(monkeypatch):
     """ "auto" spreads few tokens over more programs (never past the tile count or the channel
     slices a head dimension allows; logits tiles before head blocks) and leaves large batches
     at one program per token."""
     cfg = tattn.CONFIG
     cpu = torch.device("cpu")  # 4 SMs stand in for the interpreter
-    one = tattn.launch_plan(1, 64, 512, 128, 512, cpu, cfg)  # 5 logits tiles in runs of 2
+    one = tattn.launch_plan(1, 64, 512, 128, 512, cpu, cfg, 1, 16)  # 5 logits tiles in runs of 2
     assert one["n_tiles"] == 5 and one["LOGIT_BLOCK_H"] == 64 and one["tiles_per_program"] == 2 and one["logit_programs"] == 3 and one["DSPLIT"] == 2
-    many = tattn.launch_plan(4096, 64, 512, 128, 512, cpu, cfg)
+    many = tattn.launch_plan(4096, 64, 512, 128, 512, cpu, cfg, 1, 16)
     assert many["LOGIT_BLOCK_H"] == 64 and many["logit_programs"] == 1 and many["DSPLIT"] == 1
-    assert tattn.launch_plan(1, 64, 64, 16, 0, cpu, dict(cfg, DSPLIT=8))["DSPLIT"] == 4
+    assert tattn.launch_plan(1, 64, 64, 16, 0, cpu, dict(cfg, DSPLIT=8), 1, 16)["DSPLIT"] == 4
     with pytest.raises(ValueError, match="DSPLIT"):
-        tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, DSPLIT=3))
+        tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, DSPLIT=3), 1, 16)
     with pytest.raises(ValueError, match="LOGIT_BLOCK_H"):
-        tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, LOGIT_BLOCK_H=8))
+        tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, LOGIT_BLOCK_H=8), 1, 16)
     # the H200's 132 SMs: one token gets one tile per program and 16-head blocks (20 logits
     # programs), 8 tokens 32-head blocks (80), 64 tokens all 64 heads in runs of 2 tiles (192),
     # 256 one program (16 tokens: 64-head blocks); PV: 16 slices of 64-key tiles while they
     # fit one wave (up to 8 tokens), then within half the SMs (16 tokens x 4 slices, 64 x 1)
     # with 32-key tiles
     monkeypatch.setattr(tattn, "num_sms", lambda device: 132)
-    plans = {t: tattn.launch_plan(t, 64, 512, 128, 512, cpu, cfg) for t in (1, 8, 16, 64, 256)}
+    plans = {t: tattn.launch_plan(t, 64, 512, 128, 512, cpu, cfg, t, 16384) for t in (1, 8, 16, 64, 256)}
     assert [(p["LOGIT_BLOCK_H"], p["tiles_per_program"]) for p in plans.values()] == [(16, 1), (32, 1), (64, 1), (64, 2), (64, 5)]
     assert [(p["DSPLIT"], p["PV_BLOCK_N"]) for p in plans.values()] == [(16, 64), (16, 64), (4, 32), (1, 32), (1, 32)]
-    assert tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, PV_BLOCK_N=16))["PV_BLOCK_N"] == 16
+    assert tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, PV_BLOCK_N=16), 1, 16)["PV_BLOCK_N"] == 16
 
 
 # ----------------------------------------------------------------------------------- sm_90 build

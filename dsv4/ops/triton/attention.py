@@ -47,6 +47,10 @@ handled as (even, odd) halves: byte c of a compressed entry holds channels 2c an
 uint16 of the ring two e4m3 codes, an int32 of kv_new / q two bf16 values, so every
 dequantisation is a plain load and nibble / byte / half extraction, never an interleave. Only V4.1's cache formats (FP8 ring, FP4
 compressed KV) are supported; V4's bf16 caches and all-visible HCA layers use the torch path.
+
+Prefill-sized steps read the compressed entries from a bf16 copy instead (DENSE_CKV below),
+stored per entry in operand pieces: piece c holds the even channels of pairs c*PIECE ..
+(c+1)*PIECE - 1, then their odd channels, so a logits piece is two contiguous runs.
 """
 
 from __future__ import annotations
@@ -77,14 +81,31 @@ CKV_SCALE_BLOCK = tl.constexpr(16)  # E4M3 scale per 16 channels of a compressed
 # its `attention_sweep` section.
 CONFIG = {
     "BLOCK_H": 64, "LOGIT_BLOCK_H": "auto", "LOGIT_BLOCK_N": 128, "PIECE": 32, "logit_warps": 8, "logit_stages": 2, "TILES_PER_PROGRAM": "auto",
-    "PV_BLOCK_N": "auto", "DSPLIT": "auto", "pv_warps": 8, "pv_stages": 3,
+    "PV_BLOCK_N": "auto", "DSPLIT": "auto", "pv_warps": 8, "pv_stages": 3, "DENSE_CKV": "auto", "dense_stages": 3,
+    "dense_logit_maxnreg": 128,
 }
+# dense_logit_maxnreg: the register cap of the logits kernel when it reads the dense copy (its
+# loads are async copies into shared memory, so 128 registers leave 8 bytes spilled under
+# Triton 3.6): two programs per SM instead of one, 6.18 -> 5.17 ms for an 8192-token chunk on
+# the H200 (attention_prefill, same bits; registers never change a result). The cache-key
+# form keeps its 245 (its dequantisation would spill).
 # pv_stages 3 (was 2): equal or faster at every size in attention_sweep S3-2 (T=1 50.2 -> 48.7 us,
 # T=8 52.8 -> 50.2, T=256 300 -> 296, a 4096-token chunk 4.12 -> 4.09 ms, T=64 level).
 DSPLITS = (1, 2, 4, 8, 16, 32)
 AUTO_DSPLITS = (1, 2, 4, 8)  # "auto" above a few tokens (below: WIDE_DSPLIT)
 WIDE_DSPLIT = 16  # "auto" while tokens x 16 slices fit in one wave of programs
 LOGIT_BLOCK_HS = (64, 32, 16)  # widest first; 16 is the narrowest wgmma N worth a program
+# Dense compressed keys (DENSE_CKV): a prefill-sized step uses each compressed entry many times
+# (8192 tokens x 512 selections over 2048 entries: ~2000 uses each), and dequantising it at
+# every use was the two kernels' main work. "auto" first writes every entry the step's block
+# tables reach as bf16 (`_dense_ckv_kernel`, the same values the kernels' FP4 decoding gives)
+# when the selections use them at least DENSE_MIN_USES times on average and the copy fits
+# DENSE_MAX_BYTES (shapes only: requests x max_blocks x P entries); the kernels then load the
+# bf16 keys straight into the wgmma operands, with the same products in the same order, so a
+# token's bits do not depend on which form it read (the `invariance` device section checks).
+DENSE_MIN_USES = 4
+DENSE_MAX_BYTES = 256 << 20
+DENSE_ROWS = 16  # entries per program of the dense copy
 
 
 @triton.jit
@@ -155,6 +176,44 @@ def _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, 
 
 
 @triton.jit
+def _dense_offsets(pair, PIECE: tl.constexpr):
+    """Offsets of the even channels of channel pairs `pair` in a dense row (operand pieces;
+    the odd ones follow PIECE later)."""
+    return (pair // PIECE) * (2 * PIECE) + pair % PIECE
+
+
+@triton.jit
+def _dense_pairs(dense_ptr, row, valid, p0, par, NP: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr, BOTH: tl.constexpr):
+    """Channel pairs p0 .. p0 + NP of the dense copy's rows `row`, as `_fp4_pairs`."""
+    pair = p0 + tl.arange(0, NP)
+    base = dense_ptr + row[:, None] * DIM + _dense_offsets(pair, PIECE)[None, :]
+    if BOTH:
+        return tl.load(base, mask=valid[:, None], other=0.0), tl.load(base + PIECE, mask=valid[:, None], other=0.0)
+    v = tl.load(base + par * PIECE, mask=valid[:, None], other=0.0)
+    return v, v
+
+
+@triton.jit
+def _dense_ckv_kernel(ckv_ptr, ckv_scale_ptr, block_table_ptr, dense_ptr, n_blocks, entries, stride_bt,
+                      PER_BLOCK: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr, ROWS: tl.constexpr):
+    """Program (request b, run of ROWS entries j < entries): entry j of b's compressed sequence
+    (cache row block_tables[b, j // P] * P + j % P) to dense row b * entries + j, in operand
+    pieces (module docstring); 0 where the table holds no cache block (-1 padding)."""
+    req = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    in_seq = j < entries
+    block = tl.load(block_table_ptr + req * stride_bt + j // PER_BLOCK, mask=in_seq, other=-1).to(tl.int64)
+    valid = in_seq & (block >= 0) & (block < n_blocks)
+    loc = tl.where(valid, block, 0) * PER_BLOCK + j % PER_BLOCK
+    scale = _fp4_scales(ckv_scale_ptr, loc, valid, 0, DIM // CKV_SCALE_BLOCK, DIM)
+    lo, hi = _fp4_pairs(ckv_ptr, scale, loc, valid, 0, 0, DIM // 2, DIM, ROWS, True)
+    pair = tl.arange(0, DIM // 2)
+    dst = dense_ptr + (req * entries + j)[:, None] * DIM + _dense_offsets(pair, PIECE)[None, :]
+    tl.store(dst, lo, mask=in_seq[:, None])
+    tl.store(dst + PIECE, hi, mask=in_seq[:, None])
+
+
+@triton.jit
 def _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE: tl.constexpr, DIM: tl.constexpr):
     """q^T of the head block as (even, odd) channel pieces of PIECE pairs, bf16 [PIECE, BLOCK_H]
     each (the B operands of the logits product, loaded once per program)."""
@@ -166,6 +225,14 @@ def _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE: tl.constexpr
         lo = lo + (tl.load(base + 2 * c * PIECE, mask=h_ok[None, :], other=0.0),)
         hi = hi + (tl.load(base + 2 * c * PIECE + 1, mask=h_ok[None, :], other=0.0),)
     return lo, hi
+
+
+@triton.jit
+def _q_piece(q_words, c, PIECE: tl.constexpr, h_ok):
+    """q^T's piece c as (even, odd) channels, bf16 [PIECE, BLOCK_H] each, from q's words at
+    q_words ([PIECE, BLOCK_H] pointers of piece 0): `_q_pieces`' values."""
+    words = tl.load(q_words + c * PIECE, mask=h_ok[None, :], other=0)
+    return (words << 16).to(tl.float32, bitcast=True).to(tl.bfloat16), (words & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
@@ -186,13 +253,14 @@ def _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, key, key_ok, tok, tile, n
 def _logits_kernel(
     q_ptr, kv_new_ptr, ring_ptr, ring_scale_ptr, ckv_ptr, ckv_scale_ptr, topk_ptr,
     token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr,
-    s_ptr, stat_ptr,
-    H, n_top, n_keys, n_tiles, tiles_per_program, sm_scale,
+    dense_ptr, s_ptr, stat_ptr,
+    H, n_top, n_keys, n_tiles, tiles_per_program, sm_scale, dense_rows,
     stride_qt, stride_qh, stride_kv, stride_top, stride_bt,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DENSE: tl.constexpr, DENSE_STAGES: tl.constexpr,
 ):
-    """Program (token, head block, run of tiles_per_program logits tiles)."""
+    """Program (token, head block, run of tiles_per_program logits tiles). DENSE: the
+    compressed keys from the dense copy (dense_rows rows per request)."""
     tok = tl.program_id(0).to(tl.int64)
     req = tl.load(token_req_ptr + tok)
     pos = tl.load(pos_ptr + tok)
@@ -202,54 +270,77 @@ def _logits_kernel(
     floor = tl.maximum(tl.load(floor_ptr + req), 0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
-    q_lo, q_hi = _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE, DIM)
+    N_PIECES: tl.constexpr = DIM // 2 // PIECE
+    if DENSE:
+        # q's pieces from its words inside pipelined loops over the pieces (the same values as
+        # `_q_pieces`), instead of all 16 held through the program: the registers of a second
+        # program per SM
+        pair = tl.arange(0, PIECE)
+        q_words = q_ptr.to(tl.pointer_type(tl.int32)) + (tok * stride_qt + heads[None, :] * stride_qh) // 2 + pair[:, None]
+    else:
+        q_lo, q_hi = _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE, DIM)
     w_tiles = (WINDOW + BLOCK_N - 1) // BLOCK_N
     lo = tl.program_id(2) * tiles_per_program
     hi = tl.minimum(lo + tiles_per_program, n_tiles)
     # not software-pipelined: a stage of a 128-key window tile (ring codes and this step's bf16
-    # keys, both read under masks) would take 192 KB of shared memory
+    # keys, both read under masks) would take 192 KB of shared memory (DENSE pipelines its pieces)
     for tile in tl.range(lo, tl.minimum(hi, w_tiles), num_stages=1):
         idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         kpos = pos - (WINDOW - 1) + idx
         valid = (idx < WINDOW) & (kpos >= floor)
         s_t = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-        for c in tl.static_range(DIM // 2 // PIECE):
-            k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True)
-            s_t = tl.dot(k_lo, q_lo[c], s_t)
-            s_t = tl.dot(k_hi, q_hi[c], s_t)
+        if DENSE:
+            for c in tl.range(0, N_PIECES, num_stages=DENSE_STAGES):
+                k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True)
+                q_lo_c, q_hi_c = _q_piece(q_words, c, PIECE, h_ok)
+                s_t = tl.dot(k_lo, q_lo_c, s_t)
+                s_t = tl.dot(k_hi, q_hi_c, s_t)
+        else:
+            for c in tl.static_range(N_PIECES):
+                k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True)
+                s_t = tl.dot(k_lo, q_lo[c], s_t)
+                s_t = tl.dot(k_hi, q_hi[c], s_t)
         _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, idx, idx < WINDOW, tok, tile, n_tiles, heads, h_ok, H, n_keys)
     for tile in range(tl.maximum(lo, w_tiles), hi):
         c_idx = (tile - w_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         entry = tl.load(topk_ptr + tok * stride_top + c_idx, mask=c_idx < n_top, other=-1)
         valid = entry >= 0
         entry = tl.where(valid, entry, 0)
-        block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
-        loc = block * PER_BLOCK + entry % PER_BLOCK
-        # the whole rows' scales in one (prefetched) load, each piece's groups picked out of it
-        N_PIECES: tl.constexpr = DIM // 2 // PIECE
-        GROUPS: tl.constexpr = PIECE // (CKV_SCALE_BLOCK // 2)
-        scales = tl.reshape(_fp4_scales(ckv_scale_ptr, loc, valid, 0, DIM // CKV_SCALE_BLOCK, DIM), (BLOCK_N, N_PIECES, GROUPS))
-        which = tl.arange(0, N_PIECES)[None, :, None]
         s_t = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-        for c in tl.static_range(N_PIECES):
-            scale = tl.sum(tl.where(which == c, scales, 0.0), axis=1)
-            k_lo, k_hi = _fp4_pairs(ckv_ptr, scale, loc, valid, c * PIECE, 0, PIECE, DIM, BLOCK_N, True)
-            s_t = tl.dot(k_lo, q_lo[c], s_t)
-            s_t = tl.dot(k_hi, q_hi[c], s_t)
+        if DENSE:  # the bf16 keys go to shared memory by async copies
+            row = req.to(tl.int64) * dense_rows + entry
+            for c in tl.range(0, N_PIECES, num_stages=DENSE_STAGES):
+                k_lo, k_hi = _dense_pairs(dense_ptr, row, valid, c * PIECE, 0, PIECE, DIM, PIECE, True)
+                q_lo_c, q_hi_c = _q_piece(q_words, c, PIECE, h_ok)
+                s_t = tl.dot(k_lo, q_lo_c, s_t)
+                s_t = tl.dot(k_hi, q_hi_c, s_t)
+        else:
+            block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
+            loc = block * PER_BLOCK + entry % PER_BLOCK
+            # the whole rows' scales in one (prefetched) load, each piece's groups picked out of it
+            GROUPS: tl.constexpr = PIECE // (CKV_SCALE_BLOCK // 2)
+            scales = tl.reshape(_fp4_scales(ckv_scale_ptr, loc, valid, 0, DIM // CKV_SCALE_BLOCK, DIM), (BLOCK_N, N_PIECES, GROUPS))
+            which = tl.arange(0, N_PIECES)[None, :, None]
+            for c in tl.static_range(N_PIECES):
+                scale = tl.sum(tl.where(which == c, scales, 0.0), axis=1)
+                k_lo, k_hi = _fp4_pairs(ckv_ptr, scale, loc, valid, c * PIECE, 0, PIECE, DIM, BLOCK_N, True)
+                s_t = tl.dot(k_lo, q_lo[c], s_t)
+                s_t = tl.dot(k_hi, q_hi[c], s_t)
         _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, WINDOW + c_idx, c_idx < n_top, tok, tile, n_tiles, heads, h_ok, H, n_keys)
 
 
 @triton.jit
 def _pv_kernel(
     s_ptr, stat_ptr, kv_new_ptr, ring_ptr, ring_scale_ptr, ckv_ptr, ckv_scale_ptr, topk_ptr,
-    token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr, sink_ptr, out_ptr,
-    H, n_top, n_keys,
+    token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr, sink_ptr, dense_ptr, out_ptr,
+    H, n_top, n_keys, dense_rows,
     stride_kv, stride_top, stride_bt, stride_ot, stride_oh,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr, N_TILES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr, DENSE: tl.constexpr, PIECE: tl.constexpr,
 ):
     """Program (token, head block x channel slice): slice 2r + par of DSPLIT holds channels
-    2p + par for the pairs p of range r (DSPLIT = 1: every channel, as two halves)."""
+    2p + par for the pairs p of range r (DSPLIT = 1: every channel, as two halves). DENSE: the
+    compressed values from the dense copy (pieces of PIECE pairs)."""
     BOTH: tl.constexpr = DSPLIT == 1
     NP: tl.constexpr = DIM // 2 if DSPLIT <= 2 else DIM // DSPLIT  # channel pairs of the slice
     tok = tl.program_id(0).to(tl.int64)
@@ -296,11 +387,14 @@ def _pv_kernel(
         entry = tl.load(topk_ptr + tok * stride_top + c_idx, mask=c_idx < n_top, other=-1)
         valid = entry >= 0
         entry = tl.where(valid, entry, 0)
-        block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
         p = tl.exp(tl.load(s_row + WINDOW + c_idx[None, :], mask=h_ok[:, None] & (c_idx < n_top)[None, :], other=float("-inf")) - m[:, None])
-        loc = block * PER_BLOCK + entry % PER_BLOCK
-        scale = _fp4_scales(ckv_scale_ptr, loc, valid, p0 // (CKV_SCALE_BLOCK // 2), NP // (CKV_SCALE_BLOCK // 2), DIM)
-        v_a, v_b = _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par, NP, DIM, BLOCK_N, BOTH)
+        if DENSE:
+            v_a, v_b = _dense_pairs(dense_ptr, req.to(tl.int64) * dense_rows + entry, valid, p0, par, NP, DIM, PIECE, BOTH)
+        else:
+            block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
+            loc = block * PER_BLOCK + entry % PER_BLOCK
+            scale = _fp4_scales(ckv_scale_ptr, loc, valid, p0 // (CKV_SCALE_BLOCK // 2), NP // (CKV_SCALE_BLOCK // 2), DIM)
+            v_a, v_b = _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par, NP, DIM, BLOCK_N, BOTH)
         acc_a = tl.dot(p.to(tl.bfloat16), v_a, acc_a)
         if BOTH:
             acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
@@ -333,9 +427,11 @@ def _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk) -> N
             raise ValueError(f"sparse_attention: {name} must be contiguous")
 
 
-def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch.device, cfg: dict) -> dict:
-    """Grid choices of a call: logits tiles, logits head block, logits programs per (token, head
-    block), PV channel slices and PV key tile ("auto"; none of them changes any result).
+def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch.device, cfg: dict, requests: int, entries: int) -> dict:
+    """Grid choices of a call with `requests` block tables of `entries` compressed entries each
+    (max_blocks x P): logits tiles, logits head block, logits programs per (token, head
+    block), PV channel slices and PV key tile, and whether the compressed keys are read from a
+    dense bf16 copy (DENSE_CKV; "auto"; none of them changes any result).
     Logits: the widest head block that gives at least half as many programs as SMs (a narrower
     block dequantises every key again), tiles spread over programs up to one program per SM.
     PV: 16 channel slices while they fit in one wave, else the most slices that keep the
@@ -365,8 +461,30 @@ def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch
     if dsplit not in DSPLITS:
         raise ValueError(f"sparse_attention: DSPLIT must be 'auto' or one of {DSPLITS}, got {dsplit!r}")
     dsplit = min(dsplit, dim // (RING_SCALE_BLOCK.value // 2))  # a slice holds whole ring scale groups
+    dense = cfg["DENSE_CKV"]
+    if dense == "auto":
+        copied = requests * entries
+        dense = t * n_top >= DENSE_MIN_USES * copied and copied * dim * 2 <= DENSE_MAX_BYTES
+    if dense not in (True, False):
+        raise ValueError(f"sparse_attention: DENSE_CKV must be 'auto', True or False, got {dense!r}")
     return {"n_tiles": n_tiles, "LOGIT_BLOCK_H": lbh, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit,
-            "PV_BLOCK_N": pv_block_n(dsplit, cfg)}
+            "PV_BLOCK_N": pv_block_n(dsplit, cfg), "DENSE_CKV": bool(dense and n_top > 0)}
+
+
+def dense_ckv(ckv_codes: torch.Tensor, ckv_scales: torch.Tensor, block_tables: torch.Tensor, piece: int) -> torch.Tensor:
+    """The dense bf16 copy of every compressed entry the block tables reach: [B * max_blocks *
+    P, D], row b * max_blocks * P + j = entry j of request b, in operand pieces of `piece`
+    pairs (module docstring); rows of -1 table slots are 0."""
+    n_blocks, per_block, half = ckv_codes.shape
+    requests, max_blocks = block_tables.shape
+    entries = max_blocks * per_block
+    dense = torch.empty(requests * entries, 2 * half, dtype=torch.bfloat16, device=ckv_codes.device)
+    if dense.numel():
+        _dense_ckv_kernel[(requests, triton.cdiv(entries, DENSE_ROWS))](
+            ckv_codes, ckv_scales, block_tables, dense, n_blocks, entries, block_tables.stride(0),
+            PER_BLOCK=per_block, DIM=2 * half, PIECE=piece, ROWS=DENSE_ROWS, num_warps=4,
+        )
+    return dense
 
 
 def pv_block_n(dsplit: int, cfg: dict) -> int:
@@ -414,30 +532,35 @@ def sparse_attention(
     out = torch.empty(t, h, dim, dtype=torch.bfloat16, device=q.device)
     if t == 0:
         return out
-    # kv_new is read and the output written in channel pairs (int32 words): even offsets
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    # kv_new and (dense path) q are read and the output written in channel pairs (int32 words): even offsets
+    q = q if q.stride(-1) == 1 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0 else q.contiguous()
     kv_new = kv_new if kv_new.stride(-1) == 1 and kv_new.stride(0) % 2 == 0 else kv_new.contiguous()
     topk = topk.contiguous()
     n_top = topk.shape[1]
     sink = sink.float().contiguous()
-    plan = launch_plan(t, h, dim, window, n_top, q.device, cfg)
+    plan = launch_plan(t, h, dim, window, n_top, q.device, cfg, block_tables.shape[0], block_tables.shape[1] * per_block)
     n_keys, n_tiles, bh = window + n_top, plan["n_tiles"], cfg["BLOCK_H"]
+    piece = min(cfg["PIECE"], dim // 2)
+    dense = plan["DENSE_CKV"]
+    # without the copy the kernels take an unused pointer in its place
+    dense_keys = dense_ckv(ckv_codes, ckv_scales, block_tables, piece) if dense else ckv_codes
+    dense_rows = block_tables.shape[1] * per_block
     logits = torch.empty(t, h, n_keys, dtype=torch.bfloat16, device=q.device)
     stats = torch.empty(t, n_tiles, h, 2, dtype=torch.float32, device=q.device)
     index = (token_req, positions, start_pos, row_start, slots, floors, block_tables)
     lbh = plan["LOGIT_BLOCK_H"]
     _logits_kernel[(t, triton.cdiv(h, lbh), plan["logit_programs"])](
-        q, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, logits, stats,
-        h, n_top, n_keys, n_tiles, plan["tiles_per_program"], float(softmax_scale),
+        q, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, dense_keys, logits, stats,
+        h, n_top, n_keys, n_tiles, plan["tiles_per_program"], float(softmax_scale), dense_rows,
         q.stride(0), q.stride(1), kv_new.stride(0), topk.stride(0), block_tables.stride(0),
-        WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=lbh, BLOCK_N=cfg["LOGIT_BLOCK_N"], PIECE=min(cfg["PIECE"], dim // 2),
-        num_warps=cfg["logit_warps"], num_stages=cfg["logit_stages"],
+        WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=lbh, BLOCK_N=cfg["LOGIT_BLOCK_N"], PIECE=piece, DENSE=dense, DENSE_STAGES=cfg["dense_stages"],
+        num_warps=cfg["logit_warps"], num_stages=cfg["logit_stages"], **({"maxnreg": cfg["dense_logit_maxnreg"]} if dense and cfg["dense_logit_maxnreg"] else {}),
     )
     _pv_kernel[(t, triton.cdiv(h, bh) * plan["DSPLIT"])](
-        logits, stats, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, sink, out,
-        h, n_top, n_keys,
+        logits, stats, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, sink, dense_keys, out,
+        h, n_top, n_keys, dense_rows,
         kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-        WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=plan["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"],
+        WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=plan["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"], DENSE=dense, PIECE=piece,
         num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"],
     )
     return out
