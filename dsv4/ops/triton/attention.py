@@ -538,13 +538,13 @@ def sparse_attention(
     topk = topk.contiguous()
     n_top = topk.shape[1]
     sink = sink.float().contiguous()
-    plan = launch_plan(t, h, dim, window, n_top, q.device, cfg, block_tables.shape[0], block_tables.shape[1] * per_block)
+    dense_rows = block_tables.shape[1] * per_block  # a request's rows in the dense copy
+    plan = launch_plan(t, h, dim, window, n_top, q.device, cfg, block_tables.shape[0], dense_rows)
     n_keys, n_tiles, bh = window + n_top, plan["n_tiles"], cfg["BLOCK_H"]
     piece = min(cfg["PIECE"], dim // 2)
     dense = plan["DENSE_CKV"]
     # without the copy the kernels take an unused pointer in its place
     dense_keys = dense_ckv(ckv_codes, ckv_scales, block_tables, piece) if dense else ckv_codes
-    dense_rows = block_tables.shape[1] * per_block
     logits = torch.empty(t, h, n_keys, dtype=torch.bfloat16, device=q.device)
     stats = torch.empty(t, n_tiles, h, 2, dtype=torch.float32, device=q.device)
     index = (token_req, positions, start_pos, row_start, slots, floors, block_tables)
