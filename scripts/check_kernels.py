@@ -323,9 +323,9 @@ def moe_case(t: int, data: tuple, dense: tuple, fp4s: tuple) -> None:
         calls = [lambda ids=ids, wts=wts: moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True) for ids, wts in moe_routings(t, e, seed=t)]
         record("moe_experts", case, "triton_graph", experts_used=used, **perf(graph_time(calls, reps=5), w_bytes + io, flops, "bf16"))
         cfg = moe.moe_config(it.numel(), e)
-        with moe_knobs({"cfg": dict(cfg, STEP=not cfg["STEP"]), "knobs": {}}):  # the other K-step form: the same bits
+        with moe_knobs({"cfg": cfg, "knobs": {"DEQUANT": "bytes"}}):  # the other dequantisation: the same bits
             same = torch.equal(moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True), y_k)
-            record("moe_experts", case, f"triton_graph step={not cfg['STEP']}", ok=same, same_bits=same, experts_used=used,
+            record("moe_experts", case, "triton_graph bytes", ok=same, same_bits=same, experts_used=used,
                    **perf(graph_time(calls, reps=5), w_bytes + io, flops, "bf16"))
     # compact FP4 stacks (the default GPU form): the same values, so the FP8 stacks' bits; half the bytes
     p13, p2 = fp4s
@@ -455,24 +455,21 @@ def section_router() -> None:
             guarded("router", f"T={t} E={e}", router_case, t, e)
 
 
-# Grouped-kernel tilings tried at prefill sizes: (BLOCK_T, STEP, gate_up (BLOCK_N, BLOCK_K,
-# warps, stages[, STACK]), down (...)[, MOE knobs]); the first was the largest row class's
-# default until S10-2 (now the fourth). Prefill
+# Grouped-kernel tilings tried at prefill sizes: (BLOCK_T, gate_up (BLOCK_N, BLOCK_K, warps,
+# stages[, STACK]), down (...)[, MOE knobs]); the third is the largest row class's default. Prefill
 # at V4.1-Flash's 385 experts always takes these kernels (its bf16 expert copies would not fit
 # `MOE["DENSE_TEMP_BYTES"]`): 8K tokens are ~150 pairs per expert.
 MOE_PREFILL_TILES = [
-    (128, False, (64, 64, 4, 3), (128, 64, 8, 3)),
-    (128, True, (64, 64, 4, 3), (128, 64, 8, 3)),
-    (128, True, (128, 64, 8, 3), (128, 64, 8, 3)),
-    (128, True, (128, 64, 8, 3, True), (128, 64, 8, 3)),
-    (128, True, (128, 128, 8, 3, True), (128, 128, 8, 3)),
-    (256, True, (128, 64, 8, 3, True), (128, 64, 8, 3)),
-    (128, False, (128, 64, 8, 4), (256, 64, 8, 3)),
-    (64, True, (128, 64, 8, 4), (128, 64, 8, 4)),
-    # byte reads: the FP8 tile taken from shared memory in the wgmma's register-operand layout
-    # (no bf16 round trip through shared memory; more permutes per weight, fewer per MMA here)
-    (128, False, (128, 64, 8, 3, True), (128, 64, 8, 3), {"DEQUANT": "bytes"}),
-    (128, False, (64, 64, 4, 3), (128, 64, 8, 3), {"DEQUANT": "bytes"}),
+    (128, (64, 64, 4, 3), (128, 64, 8, 3)),
+    (128, (128, 64, 8, 3), (128, 64, 8, 3)),
+    (128, (128, 64, 8, 3, True), (128, 64, 8, 3)),
+    (128, (128, 128, 8, 3, True), (128, 128, 8, 3)),
+    (256, (128, 64, 8, 3, True), (128, 64, 8, 3)),
+    (128, (128, 64, 8, 4), (256, 64, 8, 3)),
+    (64, (128, 64, 8, 4), (128, 64, 8, 4)),
+    # byte reads: the FP8 tile taken from shared memory, no word permute
+    (128, (128, 64, 8, 3, True), (128, 64, 8, 3), {"DEQUANT": "bytes"}),
+    (128, (64, 64, 4, 3), (128, 64, 8, 3), {"DEQUANT": "bytes"}),
 ]
 
 
@@ -509,9 +506,9 @@ def moe_prefill_tiles(t: int, data: tuple) -> None:
     xt, it, wt = x[:t], ids[:t], weights[:t]
     flops = 2 * it.numel() * 3 * (two_i // 2) * d
     ref = moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True)
-    for bt, step, gu, dn, *knobs in MOE_PREFILL_TILES:
+    for bt, gu, dn, *knobs in MOE_PREFILL_TILES:
         keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK")
-        cand = {"cfg": {"BLOCK_T": bt, "STEP": step, "gate_up": dict(zip(keys, gu)), "down": dict(zip(keys, dn))}, "knobs": knobs[0] if knobs else {}}
+        cand = {"cfg": {"BLOCK_T": bt, "gate_up": dict(zip(keys, gu)), "down": dict(zip(keys, dn))}, "knobs": knobs[0] if knobs else {}}
         label = moe_label(cand)
         try:
             with moe_knobs(cand):
@@ -574,7 +571,7 @@ MOE_TILES = {
          ((128, 128, 8, 3), (256, 128, 8, 3)), ((64, 128, 4, 4), (64, 128, 4, 4)),
          # less shared memory per program, for more programs per SM (ncu, S3-3: 25% theoretical
          # occupancy, bound by shared memory; stalls on shared-memory loads)
-         ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 64, 4, 2), (64, 64, 4, 3)), ((64, 32, 4, 4), (128, 32, 4, 4)), ((64, 128, 4, 2), (128, 128, 4, 2)),
+         ((64, 64, 4, 3), (128, 64, 4, 3)), ((64, 64, 4, 2), (64, 64, 4, 3)), ((64, 128, 4, 2), (128, 128, 4, 2)),
          # gate_up STACK (fifth field): 32 gate + 32 up rows a program, twice the programs
          ((64, 128, 4, 3, True), (128, 128, 4, 3)), ((64, 128, 4, 3, True), (64, 128, 4, 3)), ((64, 64, 4, 3, True), (64, 64, 4, 3)),
          ((128, 128, 8, 3, True), (128, 128, 4, 3))],
@@ -787,13 +784,12 @@ class LazyExperts:
 def moe_candidates(pairs: int, experts: int) -> list[dict]:
     """{"cfg": row-class knobs, "knobs": other MOE overrides}: the defaults first, the previous
     path ("old": byte dequantisation, a layout at any size), pair tiles toggled where they are
-    on by default or the pairs are few (<= 64), the other K-step form (STEP), the other tiles of
-    the default row tile (each in both K-step forms) and the neighbouring row tiles' first
-    tiles."""
+    on by default or the pairs are few (<= 64), the other tiles of the default row tile and
+    the neighbouring row tiles' first tiles."""
     from dsv4.ops.triton import moe
 
     def make(bt, gu, dn):
-        return {"BLOCK_T": bt, "STEP": default.get("STEP", False), "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK"), gu)),
+        return {"BLOCK_T": bt, "gate_up": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK"), gu)),
                 "down": dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), dn))}
 
     default = moe.moe_config(pairs, experts, SWEEP_FP8)
@@ -801,15 +797,11 @@ def moe_candidates(pairs: int, experts: int) -> list[dict]:
     cands = [{"cfg": default, "knobs": {}}]
     if not SWEEP_FP8:  # (the FP8 kernels have no byte path)
         cands.append({"cfg": default, "knobs": {"DEQUANT": "bytes", "PAIR_TILES_MAX_PAIRS": 0}})
-    if not SWEEP_FP8:  # (whole K steps: the bf16 kernels' FP8 words only)
-        cands.append({"cfg": dict(default, STEP=not default["STEP"]), "knobs": {}})
     if pairs <= moe.MOE["PAIR_TILES_MAX_PAIRS"]:
         cands.append({"cfg": default, "knobs": {"PAIR_TILES_MAX_PAIRS": 0}})
     elif pairs <= 64:
         cands.append({"cfg": default, "knobs": {"PAIR_TILES_MAX_PAIRS": pairs}})
     tiles = [make(bt, gu, dn) for gu, dn in MOE_TILES.get(bt, [])]
-    if not SWEEP_FP8:  # each of the class's tiles also with the other K-step form
-        tiles += [dict(cfg, STEP=not cfg["STEP"]) for cfg in tiles]
     tiles += [make(b, *MOE_TILES[b][0]) for b in (bt // 2, bt * 2) if b in MOE_TILES]
     listed = [c["cfg"] for c in cands]
     cands += [{"cfg": cfg, "knobs": {}} for cfg in tiles if cfg not in listed]
@@ -840,7 +832,7 @@ class moe_knobs:
 def moe_label(cand: dict) -> str:
     cfg, knobs = cand["cfg"], cand["knobs"]
     gu, dn = cfg["gate_up"], cfg["down"]
-    label = f"T{cfg['BLOCK_T']}{' step' if cfg.get('STEP') else ''} gu N{gu['BLOCK_N']}{' stacked' if gu.get('STACK') else ''} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
+    label = f"T{cfg['BLOCK_T']} gu N{gu['BLOCK_N']}{' stacked' if gu.get('STACK') else ''} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
     if knobs.get("DEQUANT") == "bytes" and knobs.get("PAIR_TILES_MAX_PAIRS") == 0:
         return label + " old"
     return label + "".join(f" {k}={v}" for k, v in knobs.items())
@@ -2230,10 +2222,11 @@ def compile_targets() -> list[tuple]:
                         continue
                     if variant["WORDS"] and 128 % part["BLOCK_K"]:
                         continue
+                    # the real shapes' D and I are multiples of 64: fragment order
                     consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
-                              "STEP": variant["WORDS"] and cfg["STEP"], **variant}
+                              "FRAGMENT": True, "WARPS": part["num_warps"], **variant}
                     if name == "gate_up":
-                        consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False))
+                        consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False), ACT_FRAGMENT=True)
                     dequant = ("fp4 " if variant["FP4"] else "") + ("words" if variant["WORDS"] else "bytes")
                     label = (f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} before={before} {dequant}"
                              f"{' pair-tiles' if variant['PAIR_TILES'] else ''}{' last-slot' if variant['LAST_SLOT'] else ''}")
@@ -2245,7 +2238,7 @@ def compile_targets() -> list[tuple]:
     for pair_tiles in (False, True):
         consts = {"WEIGHT_BEFORE_DOWN": True, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
                   "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True, "FP4": False, "LAST_SLOT": 0,
-                  "STEP": 128 % part["BLOCK_K"] == 0 and cfg["STEP"]}
+                  "FRAGMENT": True, "ACT_FRAGMENT": True, "WARPS": part["num_warps"]}
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
         out.append((label, moe._gate_up_kernel, gate_up, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     # the FP8-activation kernels (fp8_act), every row class

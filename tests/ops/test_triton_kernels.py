@@ -561,11 +561,11 @@ def test_moe_experts_fp8_activations_match_quantised_reference(weight_before_dow
 
 
 MOE_TILINGS = [  # (BLOCK_T, gate_up (BLOCK_N, BLOCK_K, STACK), down (BLOCK_N, BLOCK_K)), whole-wgmma tiles at 4 warps
-    (16, (64, 32, False), (64, 64)),
+    (16, (64, 64, False), (64, 128)),
     (16, (64, 64, True), (64, 64)),  # gate over up rows in one accumulator
-    (32, (64, 64, False), (128, 32)),
+    (32, (64, 128, False), (128, 64)),
     (128, (128, 128, False), (64, 128)),
-    (128, (128, 32, True), (64, 32)),
+    (128, (128, 64, True), (64, 64)),
 ]
 
 
@@ -585,8 +585,7 @@ def test_moe_experts_rows_do_not_depend_on_batch(monkeypatch):
     for i, row in alone.items():
         assert torch.equal(row, batch[i])
     for bt, (gn, gk, stack), (dn, dk) in MOE_TILINGS:
-        # (STEP, whole K steps, only acts on compiled CUDA: both forms there, the same bits)
-        cfg = {"BLOCK_T": bt, "STEP": bt <= 32, "gate_up": {"BLOCK_N": gn, "BLOCK_K": gk, "num_warps": 4, "num_stages": 2, "STACK": stack},
+        cfg = {"BLOCK_T": bt, "gate_up": {"BLOCK_N": gn, "BLOCK_K": gk, "num_warps": 4, "num_stages": 2, "STACK": stack},
                "down": {"BLOCK_N": dn, "BLOCK_K": dk, "num_warps": 4, "num_stages": 3}}
         monkeypatch.setitem(moe.MOE, "rows", ((None, cfg),))
         for max_pairs, pair_tiles in ((4096, 0), (0, 0), (4096, 80)):
@@ -688,9 +687,25 @@ def test_moe_tiles_must_be_whole_wgmma(monkeypatch):
     x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
     ids = torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)
     for gate_n, t in ((32, 16), (64, 8)):
-        cfg = {"BLOCK_T": t, "STEP": False, "gate_up": {"BLOCK_N": gate_n, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}, "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}}
+        cfg = {"BLOCK_T": t, "gate_up": {"BLOCK_N": gate_n, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}, "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}}
         monkeypatch.setitem(moe.MOE, "rows", ((None, cfg),))
         with pytest.raises(ValueError, match="multiple of 16"):
+            moe.moe_experts(x, ids, torch.ones(2, 1, device=DEVICE), w13, s13, w2, s2, 10.0, True)
+
+
+@pytest.mark.parametrize("part", ["gate_up", "down"])
+def test_moe_steps_must_be_whole_fragment_blocks(monkeypatch, part):
+    """The bf16 kernels' dot order is defined per block of 64 inputs: a 32-input K step (or a
+    96-input one) is refused naming the kernel, not run in another order."""
+    w13, s13, w2, s2 = (a.to(DEVICE) for a in _experts(2, 128, 128, _gen(2)))
+    x = torch.zeros(2, 128, dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)
+    for block_k in (32, 96):
+        cfg = {"BLOCK_T": 16, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2},
+               "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}}
+        cfg[part]["BLOCK_K"] = block_k
+        monkeypatch.setitem(moe.MOE, "rows", ((None, cfg),))
+        with pytest.raises(ValueError, match=f"{part} BLOCK_K must be 64 or 128, got {block_k}"):
             moe.moe_experts(x, ids, torch.ones(2, 1, device=DEVICE), w13, s13, w2, s2, 10.0, True)
 
 

@@ -239,7 +239,7 @@ def dequant_fp4_words(words, scale_byte, PTX: tl.constexpr):
     """int32 [R, C] of 8 e2m1 codes each (`quant.fp4_kernel_layout`) times 2**(scale_byte -
     127) per row (int32 [R], at most `quant.FP4_MAX_SCALE_BYTE`: the multiplier 2**(scale_byte
     - 1) must be a finite bf16) -> bf16 [R, 8C] in input order, exact (`_E2M1_TO_BF16_PTX`).
-    PTX also takes a scale byte per word (int32 [R, C]: a whole K step, `step_scale_bytes`)."""
+    Or a scale byte per word (int32 [R, C]: a whole K step, `step_scale_bytes`)."""
     if PTX:
         scale = (scale_byte + 126) << 7  # bf16 bits of 2**(scale_byte - 1), in both halves
         pair = (scale << 16) | scale
@@ -252,7 +252,11 @@ def dequant_fp4_words(words, scale_byte, PTX: tl.constexpr):
         o0, o1, o2, o3 = _e2m1_pair_bits(words, 0), _e2m1_pair_bits(words, 1), _e2m1_pair_bits(words, 2), _e2m1_pair_bits(words, 3)
         pairs = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1]))
         lo, hi = (pairs << 16).to(tl.float32, bitcast=True), ((pairs >> 16) << 16).to(tl.float32, bitcast=True)
-        out = (tl.reshape(tl.join(lo, hi), (words.shape[0], 8 * words.shape[1])) * pow2(scale_byte - 1)[:, None]).to(tl.bfloat16)
+        if len(scale_byte.shape) == 1:
+            out = (tl.reshape(tl.join(lo, hi), (words.shape[0], 8 * words.shape[1])) * pow2(scale_byte - 1)[:, None]).to(tl.bfloat16)
+        else:  # a scale per word, whose 8 inputs are consecutive
+            out = tl.reshape(tl.join(lo, hi), (words.shape[0], words.shape[1], 8)) * pow2(scale_byte - 1)[:, :, None]
+            out = tl.reshape(out, (words.shape[0], 8 * words.shape[1])).to(tl.bfloat16)
     return out
 
 

@@ -30,9 +30,10 @@ is bounded from the shapes alone (no host sync, CUDA-graph safe) and tiles past 
 at once. Kernel 1 gathers the token
 rows and multiplies them by the gate and up rows of its expert — each program streams one
 slab of BLOCK_N rows of one expert over all of D for the <= BLOCK_T pairs of its tile, the
-FP8 weights read as int32 words and dequantised exactly in registers (`fp8_gemm.dequant_words`, the
-permute of `fp8_gemm.dequant_rows`; `MOE["DEQUANT"]` says why words), one MMA chain over D
-— rounds both to bf16 as the reference's linears do, clamps, applies silu(gate) * up (and the
+FP8 weights read as int32 words and dequantised exactly in registers (`fp8_gemm.dequant_word_step`,
+the permute of `fp8_gemm.dequant_rows`; `MOE["DEQUANT"]` says why words), one MMA chain over D
+in fragment order (`MOE`: x and the activations hold their inputs in it, so that the
+dequantised tiles need no shared-memory round trip) — rounds both to bf16 as the reference's linears do, clamps, applies silu(gate) * up (and the
 routing weight) and stores bf16 activations. Kernel 2 multiplies them by the expert's down
 weight and writes one bf16 row per (token, slot); kernel 3 sums the k rows of a token in fp32
 in ascending expert id (it ranks the token's slots itself, so the routing needs no sort). No
@@ -55,11 +56,12 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import (
-    dequant_fp4, dequant_fp4_words, dequant_fp8, dequant_rows, dequant_word_step, dequant_words, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant,
+    dequant_fp4, dequant_fp4_words, dequant_fp8, dequant_rows, dequant_word_step, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant,
     fp8_quantise, ptx_convert, step_scale_bytes, wgmma_tile_error,
 )
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
+FRAGMENT_BLOCK = 64  # inputs per block of the bf16 kernels' fragment order (`_dot_order`)
 ALIGN_P_BLOCK = 512  # pairs per chunk of the layout kernel's passes
 _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads constexpr globals only)
 
@@ -73,19 +75,24 @@ _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads co
 #   row tile BLOCK_T (pairs per tile, the wgmma's N: 16 .. 256, a multiple of 16; an expert
 #   with more pairs takes several tiles and reads its weights once per tile) and per kernel
 #   BLOCK_N weight rows per program (gate_up: BLOCK_N gate rows and BLOCK_N up rows; a
-#   multiple of 16 x num_warps), BLOCK_K inputs per pipelined step (a multiple of 32), warps
-#   and pipeline depth; gate_up's optional STACK (default False): its BLOCK_N rows are
-#   BLOCK_N / 2 gate rows over their up rows in one accumulator (twice the programs, each
-#   with half the work: decode's few row tiles leave SMs idle); STEP: with "words" (below; FP8 or
-#   FP4 weights), each K step's BLOCK_K inputs are dequantised as one tile and multiplied by one
-#   dot (`_step_weights`), not in pieces of 32: the same wgmma chain in the same K
-#   order, so the same bits, but one shared-memory round trip of the bf16 tile (two barriers)
-#   per step instead of one per piece (the sm_90 SASS of the piece loop: 8 barriers per K step
-#   of 128). Device call S9-1 (graph replays, 384 experts): T=1 0.113 -> 0.095 ms, T=8 0.650 ->
-#   0.572, T=64 3.24 -> 2.78, T=256 5.21 -> 4.52 (46 -> 55%, 59 -> 67%, 67 -> 78%, 63 -> 72% of
-#   the floor); in the 48-pair class (the 65-expert layer at 256 tokens) slower at 2 stages, 9.9
-#   -> 11.5 ms per 8 layers (S9-1; registers: gate_up 80 -> 152, down 156 -> 210), faster at 3
-#   (below). A row's bits depend on none of these knobs.
+#   multiple of 16 x num_warps), BLOCK_K inputs per pipelined step (64 or 128: whole blocks of
+#   the fragment order below), warps and pipeline depth; gate_up's optional STACK (default
+#   False): its BLOCK_N rows are BLOCK_N / 2 gate rows over their up rows in one accumulator
+#   (twice the programs, each with half the work: decode's few row tiles leave SMs idle).
+#   Each K step is dequantised as one tile and multiplied by one dot (the interpreter: one dot
+#   per 32 inputs, `_step_dot`): on sm_90 one wgmma chain of k16 steps in the same order
+#   whatever BLOCK_K, BLOCK_N, BLOCK_T or STACK, so a row's bits depend on none of these knobs.
+# Fragment order (inputs a multiple of 64; not a knob: it is part of the numerics): inside
+#   every block of 64 inputs the dot runs over them in the order `_dot_order` gives, which is
+#   the order in which Triton's load of a 64-input word tile already hands each thread the
+#   pairs the wgmma register operand wants of it (with the tile's rows taken in
+#   `_fragment_rows` order), so the dequantised tile reaches the operand without the
+#   shared-memory round trip (STS, LDSM and their barriers) that natural order needs — the
+#   L1/TEX traffic the eighth session's ncu found bounding these kernels. x (`fragment_order`,
+#   one copy) and the activations (stored so by gate_up) come in the same order. Measured
+#   (docs/PERF.md twelfth session): a weight-streaming GEMM alone 10-32% faster at 1-64
+#   tokens (scripts/weight_path_experiment.py), the MoE kernels 8-12% at T = 1 .. 256. FP4
+#   words (8 codes) do not land on the operand's pairs: FP4 experts lost 9-13% by it.
 # "ALIGN_MAX_PAIRS": up to this many (token, slot) pairs the expert layout is built by one
 #   Triton launch (each program reads every pair twice), above by torch's sort.
 # "PAIR_TILES_MAX_PAIRS": up to this many pairs there is no layout at all: pair p is row tile
@@ -104,41 +111,43 @@ _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads co
 #   the former alone needs ~90% of the SMs' issue slots, which is why the kernel stalled at
 #   1.7-1.9 TB/s with plenty of programs (T >= 8, device runs 2-3). The same permute and
 #   multiplies either way, so the same bf16 values and bits. "words" needs inputs (D, I) in
-#   whole 128s (the scale word), BLOCK_K 32, 64 or 128 and the compiled PTX path; other calls
-#   use "bytes".
+#   whole 128s (the scale word) and the compiled PTX path; other calls use "bytes".
 MOE = {
     "rows": (
         (1, {  # decode's few row tiles: gate over up rows in one tile doubles the programs (ncu,
             # S3-3: 252 programs at T=1 filled half a wave, 12% occupancy); moe_sweep S3-4: T=1
             # 138 -> 118 us, T=8 692 -> 643 us at 385 experts (65: 142 -> 120, 554 -> 516); at
-            # T=64 of 385 experts (1.2 pairs per expert) it was 6% slower, hence the class bound
-            "BLOCK_T": 16, "STEP": True,
+            # T=64 of 385 experts (1.2 pairs per expert) it was 6% slower, hence the class bound;
+            # 128 down rows in fragment order: moe_sweep S12-3, T=1 94.5 -> 91.9 us, T=8 391 ->
+            # 384 us (65 experts; 385: 92.6 -> 91.6, 486 -> 477)
+            "BLOCK_T": 16,
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
-            "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
         (4, {  # 3 stages: 36% vs 4 stages' 32% of the floor (gemm_sweep, device run 2)
-            "BLOCK_T": 16, "STEP": True,
+            "BLOCK_T": 16,
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
         (16, {  # stacked gate/up at 3 stages: 966 -> 936 us at T=64 of 65 experts (gemm_sweep
             # S4-3; 2 stages had beaten 3 unstacked in S3-4: 975 vs 1013 us)
-            "BLOCK_T": 32, "STEP": True,
+            "BLOCK_T": 32,
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
         }),
-        (48, {  # stacked gate/up: 1376 -> 1210 us at T=256 of 65 experts (~27 pairs per expert;
-            # gemm_sweep S4-3, 2 stages); whole K steps need 3 stages here: moe_sweep S9-3, same
-            # shape, 1.218 ms (pieces, 2 stages) -> 1.416 (steps, 2) -> 1.176 (steps, 3)
-            "BLOCK_T": 64, "STEP": True,
-            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
-            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+        (48, {  # T=256 of 65 experts (~27 pairs per expert): in fragment order 32-pair tiles,
+            # gate and up apart, at 4 stages beat the 64-pair stacked tile at 3 (moe_sweep
+            # S12-3: 0.980 -> 0.934 ms); before it, stacked 64-pair tiles at 3 stages were best
+            # (S4-3, S9-3)
+            "BLOCK_T": 32,
+            "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
         }),
         (None, {  # prefill: stacked gate/up (one [128, 128] accumulator at 8 warps), whole K
             # steps; moe_prefill S10-2, 8192 tokens: 385 experts 17.8 -> 16.7 ms, 65 experts
             # 13.8 -> 13.0 (4096 tokens 7.5 -> 6.7) against unstacked 64-row gate/up at 4 warps
             # in pieces; 256-row tiles were faster at 65 experts (11.9) but slower at 385 (19.8)
-            "BLOCK_T": 128, "STEP": True,
+            "BLOCK_T": 128,
             "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "STACK": True},
             "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
         }),
@@ -173,36 +182,106 @@ MOE = {
 
 
 @triton.jit
-def _scale_byte(scale_word, k0, j: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Scale byte of piece j of the K step at k0 (BLOCK_K 32, 64 or 128) from the row's word for
-    inputs k0 // 128 * 128 .. + 127 (little-endian: the first 32 inputs' byte is the low one)."""
-    if BLOCK_K == 4 * _PIECE:
-        shift = 8 * j
+def _fragment_rows(r, BLOCK_N: tl.constexpr, WARPS: tl.constexpr):
+    """The weight row (of a program's BLOCK_N) that tile row r loads (`MOE` "fragment order"):
+    Triton's load of a [BLOCK_N, 64-input] word tile gives lanes rows r % 8 and warps rows
+    r // 8 % WARPS, where the wgmma operand wants warp w on rows 16 w .. 16 w + 15, so tile
+    row r = r3 + 8 w + 8 WARPS r1 + 16 WARPS hi holds row r3 + 8 r1 + 16 w + 16 WARPS hi
+    (`_dot_order` puts the rows back). Tiles of fewer than 16 rows a warp keep their order."""
+    if BLOCK_N % (16 * WARPS) == 0:
+        m = r % 8 + 8 * ((r // (8 * WARPS)) % 2) + 16 * ((r // 8) % WARPS) + 16 * WARPS * (r // (16 * WARPS))
     else:
-        shift = 8 * ((k0 // _PIECE) % 4 + j)
-    return (scale_word >> shift) & 0xFF
+        m = r
+    return m
 
 
 @triton.jit
-def _piece_scale(scale_word, scale_ptrs, ok, k0, j: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
-    """int32 [R] scale bytes of piece j of the K step at k0: from the rows' scale words
-    (WORDS), else loaded byte by byte (0 where not ok)."""
-    if WORDS:
-        sb = _scale_byte(scale_word, k0, j, BLOCK_K)
-    else:
-        sb = tl.load(scale_ptrs, mask=ok, other=0).to(tl.int32)
-    return sb
-
-
-@triton.jit
-def _step_weights(words, scale_word, k0, BLOCK_K: tl.constexpr, FP4: tl.constexpr):
-    """bf16 [R, BLOCK_K]: a whole K step of weight words (FP8: 4 codes each; FP4: 8, the
-    kernel layout) with each piece's scale from the rows' scale words (compiled PTX only)."""
-    if FP4:
-        w = dequant_fp4_words(words, step_scale_bytes(scale_word, k0, BLOCK_K, 8), True)
-    else:
-        w = dequant_word_step(words, scale_word, k0, BLOCK_K)
+def _dot_order(w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr, WARPS: tl.constexpr):
+    """The dequantised K step w [tile rows, inputs in input order] as the dot's operand [weight
+    rows, dot positions]. FRAGMENT: inside every block of 64 inputs the dot position kappa =
+    n0 + 2 n45 + 8 n1 + 16 n2 + 32 n3 holds input n0 + 2 n1 + 4 n2 + 8 n3 + 16 n45 (`sigma`),
+    and tile rows are in `_fragment_rows` order: then each thread already holds the dequantised
+    pairs the wgmma operand wants of it, and the tile reaches the operand by renaming registers
+    (no shared-memory round trip: scripts/weight_path_experiment.py). Pure relabelling."""
+    if FRAGMENT:
+        if BLOCK_N % (16 * WARPS) == 0:  # rows hi, r1, w, r3 -> hi, w, r1, r3; inputs n45, n3, n2, n1, n0 -> n3, n2, n1, n45, n0
+            w = tl.permute(tl.reshape(w, (BLOCK_N // (16 * WARPS), 2, WARPS, 8, BLOCK_K // 64, 4, 2, 2, 2, 2)), (0, 2, 1, 3, 4, 6, 7, 8, 5, 9))
+        else:
+            w = tl.permute(tl.reshape(w, (BLOCK_N, BLOCK_K // 64, 4, 2, 2, 2, 2)), (0, 1, 3, 4, 5, 2, 6))
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
     return w
+
+
+@triton.jit
+def _sigma_inverse(c):
+    """The dot position of input c inside its block of 64 (`_dot_order`): where the gate_up
+    kernel stores activation channel c for the down kernel."""
+    return (c // 64) * 64 + c % 2 + 8 * ((c // 2) % 8) + 2 * ((c // 16) % 4)
+
+
+@triton.jit
+def _step_tile(w_rows, scales, scale_word, n_ok, k0, K, BLOCK_K: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
+               PTX: tl.constexpr, HALVES: tl.constexpr):
+    """bf16 [R, BLOCK_K]: the weights of the K step at k0 (inputs in input order) of the rows
+    w_rows ([R, 1] pointers; `scales` [R] their first scale bytes), dequantised exactly.
+    FP4: int32 words of 8 codes (`quant.fp4_kernel_layout`), the scale of each word from the
+    rows' scale word (WORDS) or loaded. Else FP8: WORDS, int32 words of 4 codes with the
+    scales from the rows' scale word (`MOE["DEQUANT"]`; HALVES: a 128-input step loaded as two
+    64-input halves, so that each half has the lane layout `_dot_order` relies on); or bytes
+    with a scale per 32 inputs. Steps past K read zero codes."""
+    if FP4:
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_rows.to(tl.pointer_type(tl.int32), bitcast=True) + kw[None, :], mask=n_ok[:, None] & (kw < K // 8)[None, :], other=0)
+        if WORDS:
+            sb = step_scale_bytes(scale_word, k0, BLOCK_K, 8)
+        else:
+            sb = tl.load(scales[:, None] + tl.minimum(kw // 4, K // _PIECE - 1)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        w = dequant_fp4_words(words, sb, PTX)
+    elif WORDS:  # (K a multiple of 128: whole steps, no masks on the inputs)
+        words_ptr = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        if HALVES:
+            kw = k0 // 4 + 16 * tl.arange(0, 2)[:, None, None] + tl.arange(0, 16)[None, None, :]
+            lo, hi = tl.split(tl.permute(tl.load(words_ptr[None, :, :] + kw, mask=n_ok[None, :, None], other=0), (1, 2, 0)))
+            w = tl.join(dequant_word_step(lo, scale_word, k0, 64), dequant_word_step(hi, scale_word, k0 + 64, 64))
+            w = tl.reshape(tl.permute(w, (0, 2, 1)), (w.shape[0], BLOCK_K))
+        else:
+            w = dequant_word_step(tl.load(words_ptr + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :], mask=n_ok[:, None], other=0),
+                                  scale_word, k0, BLOCK_K)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        codes = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        kb = tl.minimum(k0 // _PIECE + tl.arange(0, BLOCK_K // _PIECE), K // _PIECE - 1)  # (a piece past K: any scale)
+        sb = tl.load(scales[:, None] + kb[None, :], mask=n_ok[:, None], other=0)
+        pieces = dequant_rows(tl.reshape(codes, (codes.shape[0] * (BLOCK_K // _PIECE), _PIECE)), tl.reshape(sb, (codes.shape[0] * (BLOCK_K // _PIECE),)), PTX)
+        w = tl.reshape(pieces, (codes.shape[0], BLOCK_K))
+    return w
+
+
+@triton.jit
+def _halves(t):
+    """[R, 2C] -> its two halves [R, C] along the last dim."""
+    return tl.split(tl.permute(tl.reshape(t, (t.shape[0], 2, t.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _step_dot(w, x, acc, PIECES: tl.constexpr):
+    """acc + w @ x^T over one K step (64 or 128 dot positions): one dot (compiled: one wgmma
+    chain of k16 steps), or with PIECES (the interpreter) one dot per 32 positions in order, so
+    that numpy's sums, whose order follows the operands' shapes, do not depend on the tile."""
+    if PIECES:
+        w0, w1 = _halves(w)
+        x0, x1 = _halves(x)
+        if w.shape[1] == 128:
+            w00, w01 = _halves(w0)
+            w10, w11 = _halves(w1)
+            x00, x01 = _halves(x0)
+            x10, x11 = _halves(x1)
+            acc = tl.dot(w11, tl.trans(x11), tl.dot(w10, tl.trans(x10), tl.dot(w01, tl.trans(x01), tl.dot(w00, tl.trans(x00), acc))))
+        else:
+            acc = tl.dot(w1, tl.trans(x1), tl.dot(w0, tl.trans(x0), acc))
+    else:
+        acc = tl.dot(w, tl.trans(x), acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_experts", "n_tiles"])
@@ -302,16 +381,15 @@ def _swiglu_rows_kernel(h_ptr, rw_ptr, act_ptr, P, I, stride_h, stride_act, limi
 
 
 @triton.jit
-def _gate_up_rows(pid_n, I, BLOCK_N: tl.constexpr, STACK: tl.constexpr):
-    """-> (output channel rn, weight row) of each of a gate_up program's BLOCK_N rows. STACK:
+def _gate_up_rows(pid_n, I, r, BLOCK_N: tl.constexpr, STACK: tl.constexpr):
+    """-> (output channel rn, weight row) of the gate_up program's rows r (of BLOCK_N). STACK:
     row r is gate row pid_n * BLOCK_N / 2 + r for r < BLOCK_N / 2 and its up row after; else
-    BLOCK_N gate rows (the up rows are I further)."""
+    gate rows (the up rows are I further)."""
     if STACK:  # (one return: Triton type-checks every return, taken or not)
-        r = tl.arange(0, BLOCK_N)
         rn = pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2)
         w_row = rn + (r >= BLOCK_N // 2).to(tl.int32) * I
     else:
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid_n * BLOCK_N + r
         w_row = rn
     return rn, w_row
 
@@ -336,21 +414,17 @@ def _gate_up_kernel(
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
-    STEP: tl.constexpr,
+    FRAGMENT: tl.constexpr, ACT_FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
-    transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`).
-    WORDS: weights and scales read as int32 words (`MOE["DEQUANT"]`; EVEN_K and D % 128 == 0).
+    transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`), one
+    dequantised K step (`_step_tile`: WORDS, FP4) and one dot per iteration.
     STACK: the program's BLOCK_N weight rows are BLOCK_N / 2 gate rows over the same up rows,
     one accumulator split in two for the SwiGLU (half the work per program, twice the
     programs); else BLOCK_N gate rows and BLOCK_N up rows in two accumulators.
-    FP4: the weights are compact FP4 (`quant.fp4_kernel_layout`, uint8 [E, rows, inputs / 2]),
-    read as int32 words of 8 codes and dequantised exactly by `fp8_gemm.dequant_fp4_words` —
-    the same bf16 values as their FP8 conversion, so the same products and bits; WORDS then
-    only says that the scales are read as words. LAST_SLOT: see `_tile_pairs`. STEP (WORDS):
-    each K step's words (FP8 or FP4) are dequantised as one tile (`_step_weights`) and
-    multiplied by one dot — the same wgmma chain in the same K order as piece by piece,
-    so the same bits (`MOE["rows"]`)."""
+    FRAGMENT: x holds its inputs in fragment order (`fragment_order`) and the weights enter the
+    dot in it (`_dot_order`); ACT_FRAGMENT: the activations are stored in fragment order, as
+    the down kernel reads them. LAST_SLOT: see `_tile_pairs`."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     # int64: an expert's offset e * stride_we passes 2**31 from expert 91 on at V4.1's shapes
@@ -363,9 +437,11 @@ def _gate_up_kernel(
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = pair < n_pairs
     token = pair // TOPK
-    rn, w_row = _gate_up_rows(pid_n, I, BLOCK_N, STACK)
+    r = tl.arange(0, BLOCK_N)
+    if FRAGMENT:
+        r = _fragment_rows(r, BLOCK_N, WARPS)
+    rn, w_row = _gate_up_rows(pid_n, I, r, BLOCK_N, STACK)
     n_ok = rn < I
-    rp = tl.arange(0, _PIECE)
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
     gate_rows = w_ptr + e * stride_we + w_row[:, None] * stride_wn
     up_rows = gate_rows + I * stride_wn  # (STACK: unused)
@@ -373,68 +449,29 @@ def _gate_up_kernel(
     up_scales = gate_scales + I * stride_sn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    if WORDS or FP4:
-        rq = tl.arange(0, _PIECE // (8 if FP4 else 4))
-        gate_words = gate_rows.to(tl.pointer_type(tl.int32), bitcast=True)
-        up_words = up_rows.to(tl.pointer_type(tl.int32), bitcast=True)
     if WORDS:
         gate_swords = gate_scales.to(tl.pointer_type(tl.int32), bitcast=True)
         up_swords = up_scales.to(tl.pointer_type(tl.int32), bitcast=True)
     for k0 in range(0, D, BLOCK_K):
-        if WORDS:
+        if WORDS:  # one scale word per row and 128 inputs
             sg_word = tl.load(gate_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
             if not STACK:
                 su_word = tl.load(up_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
-        if STEP:
-            x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None], other=0.0)
-            kw = k0 // (8 if FP4 else 4) + tl.arange(0, BLOCK_K // (8 if FP4 else 4))
-            wg = _step_weights(tl.load(gate_words + kw[None, :], mask=n_ok[:, None], other=0), sg_word, k0, BLOCK_K, FP4)
-            acc_gate = tl.dot(wg, tl.trans(x), acc_gate)
-            if not STACK:
-                wu = _step_weights(tl.load(up_words + kw[None, :], mask=n_ok[:, None], other=0), su_word, k0, BLOCK_K, FP4)
-                acc_up = tl.dot(wu, tl.trans(x), acc_up)
-        for j in tl.static_range(0 if STEP else BLOCK_K // _PIECE):
-            k = k0 + j * _PIECE + rp
-            kb = (k0 + j * _PIECE) // _PIECE
-            if FP4:  # 4 words of 8 codes per piece; D is a multiple of 32: a piece is all in or all out
-                x = tl.load(x_rows + k[None, :], mask=valid[:, None] & (k < D)[None, :], other=0.0)
-                kw = (k0 + j * _PIECE) // 8 + rq
-                w_ok = n_ok[:, None] & (kw < D // 8)[None, :]
-                kb = tl.minimum(kb, D // _PIECE - 1)  # (a piece past D reads zero codes: any scale)
-                sg = _piece_scale(sg_word if WORDS else 0, gate_scales + kb, n_ok, k0, j, BLOCK_K, WORDS)
-                wg = dequant_fp4_words(tl.load(gate_words + kw[None, :], mask=w_ok, other=0), sg, PTX)
-                if not STACK:
-                    su = _piece_scale(su_word if WORDS else 0, up_scales + kb, n_ok, k0, j, BLOCK_K, WORDS)
-                    wu = dequant_fp4_words(tl.load(up_words + kw[None, :], mask=w_ok, other=0), su, PTX)
-            elif WORDS:
-                x = tl.load(x_rows + k[None, :], mask=valid[:, None], other=0.0)
-                kw = (k0 + j * _PIECE) // 4 + rq
-                wg = dequant_words(tl.load(gate_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(sg_word, k0, j, BLOCK_K))
-                if not STACK:
-                    wu = dequant_words(tl.load(up_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(su_word, k0, j, BLOCK_K))
-            elif EVEN_K:
-                x = tl.load(x_rows + k[None, :], mask=valid[:, None], other=0.0)
-                wg = dequant_rows(tl.load(gate_rows + k[None, :], mask=n_ok[:, None], other=0.0), tl.load(gate_scales + kb, mask=n_ok, other=0), PTX)
-                if not STACK:
-                    wu = dequant_rows(tl.load(up_rows + k[None, :], mask=n_ok[:, None], other=0.0), tl.load(up_scales + kb, mask=n_ok, other=0), PTX)
-            else:  # a piece past D (zeros) takes the row's last scale: there is no column there
-                x = tl.load(x_rows + k[None, :], mask=valid[:, None] & (k < D)[None, :], other=0.0)
-                wg = tl.load(gate_rows + k[None, :], mask=n_ok[:, None] & (k < D)[None, :], other=0.0)
-                wg = dequant_rows(wg, tl.load(gate_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0), PTX)
-                if not STACK:
-                    wu = tl.load(up_rows + k[None, :], mask=n_ok[:, None] & (k < D)[None, :], other=0.0)
-                    wu = dequant_rows(wu, tl.load(up_scales + tl.minimum(kb, D // _PIECE - 1), mask=n_ok, other=0), PTX)
-            acc_gate = tl.dot(wg, tl.trans(x), acc_gate)
-            if not STACK:
-                acc_up = tl.dot(wu, tl.trans(x), acc_up)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :], mask=valid[:, None] if EVEN_K else valid[:, None] & (k < D)[None, :], other=0.0)
+        wg = _step_tile(gate_rows, gate_scales, sg_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128)
+        acc_gate = _step_dot(_dot_order(wg, BLOCK_N, BLOCK_K, FRAGMENT, WARPS), x, acc_gate, not PTX)
+        if not STACK:
+            wu = _step_tile(up_rows, up_scales, su_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128)
+            acc_up = _step_dot(_dot_order(wu, BLOCK_N, BLOCK_K, FRAGMENT, WARPS), x, acc_up, not PTX)
     gate, up = _gate_up_split(acc_gate, acc_up, BLOCK_N, BLOCK_T, STACK)
-    if STACK:  # one channel per gate row
-        rn = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        n_ok = rn < I
+    rn = pid_n * (BLOCK_N // 2 if STACK else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if STACK else BLOCK_N)  # one channel per gate row
+    n_ok = rn < I
     act = _swiglu(gate, up, limit, HAS_LIMIT)
     if WEIGHT_BEFORE_DOWN:
         act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[None, :]
-    tl.store(act_ptr + offs.to(tl.int64)[None, :] * stride_act + rn[:, None], act.to(tl.bfloat16), mask=n_ok[:, None] & valid[None, :])
+    col = _sigma_inverse(rn) if ACT_FRAGMENT else rn
+    tl.store(act_ptr + offs.to(tl.int64)[None, :] * stride_act + col[:, None], act.to(tl.bfloat16), mask=n_ok[:, None] & valid[None, :])
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_experts"])
@@ -444,10 +481,12 @@ def _down_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr, STEP: tl.constexpr,
+    WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
+    FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
 ):
     """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16),
-    computed transposed like `_gate_up_kernel` (FP4, LAST_SLOT, STEP: as there)."""
+    computed transposed like `_gate_up_kernel` (FP4, LAST_SLOT, FRAGMENT: as there; the
+    activations arrive in fragment order with FRAGMENT)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES, LAST_SLOT)  # int64: see _gate_up_kernel
@@ -455,51 +494,30 @@ def _down_kernel(
         return
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = pair < n_pairs
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < D
-    rp = tl.arange(0, _PIECE)
+    r = tl.arange(0, BLOCK_N)
+    if FRAGMENT:
+        r = _fragment_rows(r, BLOCK_N, WARPS)
+    w_n = pid_n * BLOCK_N + r  # the weight row of each tile row
+    n_ok = w_n < D
     a_rows = act_ptr + offs.to(tl.int64)[:, None] * stride_act
-    w_rows = w_ptr + e * stride_we + rn[:, None] * stride_wn
-    scales = s_ptr + e * stride_se + rn * stride_sn
+    w_rows = w_ptr + e * stride_we + w_n[:, None] * stride_wn
+    scales = s_ptr + e * stride_se + w_n * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    if WORDS or FP4:
-        rq = tl.arange(0, _PIECE // (8 if FP4 else 4))
-        w_words = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
     if WORDS:
         s_words = scales.to(tl.pointer_type(tl.int32), bitcast=True)
     for k0 in range(0, I, BLOCK_K):
         if WORDS:
             s_word = tl.load(s_words + k0 // (4 * _PIECE), mask=n_ok, other=0)
-        if STEP:
-            a = tl.load(a_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None], other=0.0)
-            kw = k0 // (8 if FP4 else 4) + tl.arange(0, BLOCK_K // (8 if FP4 else 4))
-            w = _step_weights(tl.load(w_words + kw[None, :], mask=n_ok[:, None], other=0), s_word, k0, BLOCK_K, FP4)
-            acc = tl.dot(w, tl.trans(a), acc)
-        for j in tl.static_range(0 if STEP else BLOCK_K // _PIECE):
-            k = k0 + j * _PIECE + rp
-            kb = (k0 + j * _PIECE) // _PIECE
-            if FP4:  # as in _gate_up_kernel
-                a = tl.load(a_rows + k[None, :], mask=valid[:, None] & (k < I)[None, :], other=0.0)
-                kw = (k0 + j * _PIECE) // 8 + rq
-                sw = _piece_scale(s_word if WORDS else 0, scales + tl.minimum(kb, I // _PIECE - 1), n_ok, k0, j, BLOCK_K, WORDS)
-                w = dequant_fp4_words(tl.load(w_words + kw[None, :], mask=n_ok[:, None] & (kw < I // 8)[None, :], other=0), sw, PTX)
-            elif WORDS:
-                a = tl.load(a_rows + k[None, :], mask=valid[:, None], other=0.0)
-                kw = (k0 + j * _PIECE) // 4 + rq
-                w = dequant_words(tl.load(w_words + kw[None, :], mask=n_ok[:, None], other=0), _scale_byte(s_word, k0, j, BLOCK_K))
-            elif EVEN_K:
-                a = tl.load(a_rows + k[None, :], mask=valid[:, None], other=0.0)
-                w = dequant_rows(tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0), tl.load(scales + kb, mask=n_ok, other=0), PTX)
-            else:  # as in _gate_up_kernel
-                a = tl.load(a_rows + k[None, :], mask=valid[:, None] & (k < I)[None, :], other=0.0)
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < I)[None, :], other=0.0)
-                w = dequant_rows(w, tl.load(scales + tl.minimum(kb, I // _PIECE - 1), mask=n_ok, other=0), PTX)
-            acc = tl.dot(w, tl.trans(a), acc)
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + k[None, :], mask=valid[:, None] if EVEN_K else valid[:, None] & (k < I)[None, :], other=0.0)
+        w = _step_tile(w_rows, scales, s_word if WORDS else 0, n_ok, k0, I, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128)
+        acc = _step_dot(_dot_order(w, BLOCK_N, BLOCK_K, FRAGMENT, WARPS), a, acc, not PTX)
     y = acc.to(tl.bfloat16)
     if not WEIGHT_BEFORE_DOWN:
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
         y = (y.to(tl.float32) * rw[None, :]).to(tl.bfloat16)
-    tl.store(y_ptr + pair.to(tl.int64)[None, :] * stride_y + rn[:, None], y, mask=n_ok[:, None] & valid[None, :])
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + pair.to(tl.int64)[None, :] * stride_y + rn[:, None], y, mask=(rn < D)[:, None] & valid[None, :])
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_experts"])
@@ -527,7 +545,7 @@ def _gate_up_fp8_kernel(
     offs = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = pair < n_pairs
     token = pair // TOPK
-    rn, w_row = _gate_up_rows(pid_n, I, BLOCK_N, STACK)
+    rn, w_row = _gate_up_rows(pid_n, I, tl.arange(0, BLOCK_N), BLOCK_N, STACK)
     n_ok = rn < I
     rp = tl.arange(0, _PIECE)
     x_rows = xq_ptr + token.to(tl.int64)[:, None] * stride_xq
@@ -812,6 +830,14 @@ def _dense_stack(w: torch.Tensor, scale: torch.Tensor, shared: tuple | None) -> 
     return out
 
 
+def fragment_order(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (K a multiple of 64) with every block of 64 inputs in fragment order: position
+    kappa = n0 + 2 n45 + 8 n1 + 16 n2 + 32 n3 holds input n0 + 2 n1 + 4 n2 + 8 n3 + 16 n45
+    (`_dot_order`). One copy: the gate_up kernel then loads x's K steps as they lie."""
+    t, k = x.shape
+    return x.view(t, k // FRAGMENT_BLOCK, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(t, k)
+
+
 def _words(ptx: bool, w: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
     """Whether a GEMM reads its FP8 weights (compact FP4: its scales) as int32 words
     (`MOE["DEQUANT"]`): compiled PTX, inputs in whole 128s (one scale word per row and 128
@@ -857,8 +883,10 @@ def moe_experts(
     weights = topk_weights.float().contiguous()  # pair p = token * k + slot, as the rows index it
     cfg = moe_config(n_pairs, n_experts, fp8_act)
     bt, gu, dn = cfg["BLOCK_T"], cfg["gate_up"], cfg["down"]
-    if gu["BLOCK_K"] % SCALE_BLOCK or dn["BLOCK_K"] % SCALE_BLOCK:
-        raise ValueError(f"moe_experts: BLOCK_K must be a multiple of {SCALE_BLOCK}")
+    for name, part in (("gate_up", gu), ("down", dn)):  # the FP8 kernels run pieces of 32; the bf16 ones whole fragment blocks
+        if (part["BLOCK_K"] % SCALE_BLOCK) if fp8_act else part["BLOCK_K"] not in (FRAGMENT_BLOCK, 2 * FRAGMENT_BLOCK):
+            want = f"a multiple of {SCALE_BLOCK}" if fp8_act else f"{FRAGMENT_BLOCK} or {2 * FRAGMENT_BLOCK}"
+            raise ValueError(f"moe_experts: {name} BLOCK_K must be {want}, got {part['BLOCK_K']}")
     bad = wgmma_tile_error(gu["BLOCK_N"], bt, gu["num_warps"]) or wgmma_tile_error(dn["BLOCK_N"], bt, dn["num_warps"])
     if bad:
         raise ValueError(f"moe_experts: {bad}")
@@ -898,13 +926,15 @@ def moe_experts(
         return _slot_sums(y, ids, out_dtype)
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     ptx = ptx_convert(x.device)
+    x_fragment, act_fragment = d % FRAGMENT_BLOCK == 0, inter % FRAGMENT_BLOCK == 0
+    if x_fragment:
+        x = fragment_order(x)
 
     def launch(w13, w13_scale, w2, w2_scale, fp4: bool, experts: int, last_slot: int) -> None:
         """Kernels 1 and 2 over the layout (or, last_slot, over every token's last slot) for
         the tiles of experts below `experts`."""
         w13_scale, w2_scale = w13_scale.view(torch.uint8).contiguous(), w2_scale.view(torch.uint8).contiguous()
         tiles = triton.cdiv(t, bt) if last_slot else n_tiles
-        gu_words, dn_words = _words(ptx, w13, w13_scale, gu["BLOCK_K"]), _words(ptx, w2, w2_scale, dn["BLOCK_K"])
         _gate_up_kernel[(tiles, gate_up_n)](
             x, w13, w13_scale, rows, tile_expert, weights, act,
             n_pairs, experts, d, inter,
@@ -912,7 +942,8 @@ def moe_experts(
             float(limit),
             TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
-            WORDS=gu_words, PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot, STEP=gu_words and cfg["STEP"],
+            WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot,
+            FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"],
             num_warps=gu["num_warps"], num_stages=gu["num_stages"],
         )
         _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
@@ -921,7 +952,8 @@ def moe_experts(
             act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
             WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
-            WORDS=dn_words, PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot, STEP=dn_words and cfg["STEP"],
+            WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
+            FRAGMENT=act_fragment, WARPS=dn["num_warps"],
             num_warps=dn["num_warps"], num_stages=dn["num_stages"],
         )
 
