@@ -1352,13 +1352,13 @@ IDX_KEY_BYTES = IDX_DIM // 2 + IDX_DIM // 32  # codes + ue8m0 scales per entry
 
 
 class IndexerCache:
-    """One pool of random FP4 indexer keys (random code bytes, scale bytes 118..126) that
-    every case takes distinct blocks from."""
+    """One pool of random FP4 indexer keys (random code bytes, scale bytes in `scale_bytes`,
+    by default 118..126) that every case takes distinct blocks from."""
 
-    def __init__(self, n_blocks: int, seed: int = 0):
+    def __init__(self, n_blocks: int, seed: int = 0, scale_bytes: tuple[int, int] = (118, 127)):
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.codes = torch.randint(0, 256, (n_blocks, IDX_PER_BLOCK, IDX_DIM // 2), dtype=torch.uint8, device="cuda", generator=g)
-        self.scales = torch.randint(118, 127, (n_blocks, IDX_PER_BLOCK, IDX_DIM // 32), dtype=torch.uint8, device="cuda", generator=g)
+        self.scales = torch.randint(*scale_bytes, (n_blocks, IDX_PER_BLOCK, IDX_DIM // 32), dtype=torch.uint8, device="cuda", generator=g)
         self.g = g
 
     def args(self, n_req: int, entries: int, row_req: torch.Tensor, lengths: torch.Tensor, width: int, rows_entries=None) -> list:
@@ -1424,11 +1424,12 @@ def indexer_scores_case(label: str, args: list, key_bytes: float) -> tuple[torch
 
 
 IDX_SCORES_CONFIGS = [  # the default first
-    {"BLOCK_N": 64, "num_warps": 4},
-    {"BLOCK_N": 128, "num_warps": 4},
-    {"BLOCK_N": 128, "num_warps": 8},
-    {"BLOCK_N": 256, "num_warps": 8},
-    {"BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 8},
+    {"BLOCK_N": 128, "num_warps": 4, "ROWS": 4, "PROGRAMS_PER_SM": 8},
+    {"BLOCK_N": 128, "num_warps": 4, "ROWS": 4, "PROGRAMS_PER_SM": 4},
+    {"BLOCK_N": 128, "num_warps": 4, "ROWS": 2, "PROGRAMS_PER_SM": 8},
+    {"BLOCK_N": 128, "num_warps": 4, "ROWS": 4, "PROGRAMS_PER_SM": 16},
+    {"BLOCK_N": 64, "num_warps": 4, "ROWS": 8, "PROGRAMS_PER_SM": 8},
+    {"BLOCK_N": 64, "num_warps": 4, "ROWS": 4, "PROGRAMS_PER_SM": 8},
 ]
 IDX_TOPK_CONFIGS = [  # the default first
     {"BLOCK": 1024, "num_warps": 4},
@@ -1565,6 +1566,12 @@ def section_indexer() -> None:
     prefill_visible = (61440 + torch.arange(4096, device="cuda") + 1) // 2  # a 4096-row chunk up to 64K tokens
     guarded("index_scores", "reindex prefill", indexer_reindex_case, cache, 4096, prefill_visible, 1)
     guarded("indexer_invariance", "indexer", indexer_invariance, cache)
+    # scale bytes far from 127 (above 128: the keys' second exact multiply), decode and prefill rows
+    wide = IndexerCache(2 * 16384 // IDX_PER_BLOCK, seed=1, scale_bytes=(20, 231))
+    for label, t, n_req, n in (("decode T=8 len=2048", 8, 8, 2048), ("prefill T=256 len=16K", 256, 1, 16384)):
+        row_req = torch.arange(t, device="cuda") if n_req > 1 else torch.zeros(t, device="cuda")
+        args = wide.args(n_req, n, row_req, torch.full((t,), n, device="cuda"), n)
+        guarded("index_scores", label, indexer_scores_case, f"scale bytes 20..230 {label}", args, n_req * n * IDX_KEY_BYTES)
 
 
 # ------------------------------------------------------------------------------ kv store
@@ -2429,18 +2436,21 @@ def indexer_compile_targets() -> list[tuple]:
     block), with and without entry lists; candidate blocks of 8; the three top-k stages."""
     from dsv4.ops.triton import indexer
 
-    i = "i32"
-    idx = {n: "*i32" for n in ("block_table_ptr", "row_req_ptr", "lengths_ptr", "entries_ptr")}
+    i, a = "i32", "i32:16"  # a: multiples of 16 at the real shapes (torch's pointers are 16-byte aligned)
+    idx = {n: "*i32:16" for n in ("block_table_ptr", "row_req_ptr", "lengths_ptr", "entries_ptr")}
     scores = dict(
-        idx, q_ptr="*bf16", w_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8", out_ptr="*fp32", H=i, width=i, scale="fp32",
-        stride_qt=i, stride_qh=i, stride_wt=i, stride_bt=i, stride_et=i, stride_ot=i,
+        idx, q_ptr="*bf16:16", w_ptr="*fp32:16", codes_ptr="*u8:16", scales_ptr="*u8:16", out_ptr="*fp32:16", T=i, H=a, width=i, scale="fp32",
+        stride_qt=a, stride_qh=a, stride_wt=a, stride_bt=i, stride_et=i, stride_ot=i,
     )
     cfg = indexer.SCORES_CONFIG
     out = []
     for per_block in (128, 256):
-        for entries in (False, True):
-            consts = {"PER_BLOCK": per_block, "DK": 128, "BLOCK_H": 32, "BLOCK_N": cfg["BLOCK_N"], "HAS_ENTRIES": entries, "CONTIGUOUS": not entries}
-            out.append((f"index_scores per_block={per_block} entries={entries}", indexer._index_scores_kernel, scores, consts, {"num_warps": cfg["num_warps"]}))
+        for entries, rows in ((False, 1), (False, cfg["ROWS"]), (True, 1)):
+            consts = {"ROWS": rows, "PER_BLOCK": per_block, "DK": 128, "BLOCK_H": 32, "BLOCK_N": cfg["BLOCK_N"],
+                      "HAS_ENTRIES": entries, "CONTIGUOUS": not entries, "PTX": True, "FRAGMENT": True, "WARPS": cfg["num_warps"],
+                      "INTERPRETED": False}
+            label = f"index_scores per_block={per_block} entries={entries} rows={rows}"
+            out.append((label, indexer._index_scores_kernel, scores, consts, {"num_warps": cfg["num_warps"]}))
     block_max = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*fp32", "width": i, "stride_st": i, "stride_ot": i}
     bcfg = indexer.BLOCK_MAX_CONFIG
     out.append(("block_max block=8", indexer._block_max_kernel, block_max, {"BLOCK": 8, "TILE_BLOCKS": bcfg["TILE_BLOCKS"]}, {"num_warps": bcfg["num_warps"]}))

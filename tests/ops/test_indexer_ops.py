@@ -1,7 +1,7 @@
 """The graph-safe indexer ops (`dsv4.ops.indexer`): torch references against a naive per-row
 definition and against the model's current selection code, then the Triton kernels against
 the references on random non-zero inputs at small shapes (on CPU in Triton's interpreter,
-TRITON_INTERPRET=1 set by conftest.py — 3.9's: 3.6's has no `dot_scaled`; compiled with CUDA). Ragged lengths include 0, k beyond
+TRITON_INTERPRET=1 set by conftest.py; compiled with CUDA). Ragged lengths include 0, k beyond
 the length, many exact ties (ReLU zeros, +-0), widths that are not a multiple of any tile, rows
 of different requests; a row's result must be the same bits alone and in a batch.
 """
@@ -44,21 +44,21 @@ def _dev(*xs):
 # ----------------------------------------------------------------------------------- scores
 
 
-def _score_case(seed: int, *, heads: int, dk: int, per_block: int, entries_of: list[int], lengths: list[int], row_req: list[int], width: int, with_entries: bool):
-    """Random FP4 indexer keys in shuffled blocks; `entries_of[b]`: entries request b holds.
+def _score_case(seed: int, *, heads: int, dk: int, per_block: int, entries_of: list[int], lengths: list[int], row_req: list[int], width: int,
+                with_entries: bool, exponents: tuple[int, int] = (-3, 4)):
+    """Random FP4 indexer keys in shuffled blocks, each 32-channel block's magnitude 2**e for e
+    in `exponents` (its scale byte about 125 + e); `entries_of[b]`: entries request b holds.
     Returns the argument list of `index_scores` (entries None unless `with_entries`: then each
     row scores a random list of its request's entries, with repeats and -1 holes)."""
     g = _gen(seed)
     n_req = len(entries_of)
     max_blocks = max(-(-n // per_block) for n in entries_of)
     n_blocks = n_req * max_blocks + 3
-    magnitude = torch.exp2(torch.randint(-3, 4, (n_blocks, per_block, dk // 32), generator=g).float()).repeat_interleave(32, -1)
+    magnitude = torch.exp2(torch.randint(*exponents, (n_blocks, per_block, dk // 32), generator=g).float()).repeat_interleave(32, -1)
     codes, scales = quant.quantize_fp4(torch.randn(n_blocks, per_block, dk, generator=g) * magnitude, 32, e4m3_scale=False)
     order = torch.randperm(n_blocks, generator=g)
     block_tables = order[: n_req * max_blocks].view(n_req, max_blocks).to(torch.int32)
     t = len(lengths)
-    # |q| within fp16's normal range: Triton's interpreter passes dot_scaled's bf16 operand
-    # through fp16 (the GPU does not)
     q = quant.fake_quant_fp4(torch.randn(t, heads, dk, generator=g) * 2, 32, e4m3_scale=False).bfloat16()
     weights = torch.randn(t, heads, generator=g) * heads**-0.5
     req = torch.tensor(row_req)
@@ -120,6 +120,14 @@ SCORE_CASES = {
     # each row scores its own list of entries (repeats, -1 holes), Dk 128 as in V4.1
     "entries": dict(heads=16, dk=128, per_block=32, entries_of=[300, 90], lengths=[130, 0, 77, 130, 5],
                     row_req=[0, 1, 1, 0, 0], width=130, with_entries=True),
+    # a prefill chunk after two rows of another request: with 4 rows a program, rows 4-7 share
+    # their key tiles, rows 0-3 (two requests) and 8-10 (past the end) are scored one by one;
+    # causal lengths, 32 heads as in V4.1
+    "prefill": dict(heads=32, dk=128, per_block=128, entries_of=[60, 300], lengths=[60, 1] + list(range(292, 301)),
+                    row_req=[0, 0] + [1] * 9, width=300, with_entries=False),
+    # scale bytes far above 128 and far below 127 (the exact two-multiply dequantisation)
+    "scales": dict(heads=16, dk=128, per_block=64, entries_of=[130], lengths=[130, 77, 130, 129], row_req=[0, 0, 0, 0], width=130,
+                   with_entries=False, exponents=(-100, 100)),
 }
 
 
@@ -138,16 +146,19 @@ def test_index_scores_reference_matches_definition(case):
 
 
 @needs_triton
+@pytest.mark.parametrize("grouped", [False, True], ids=["row_a_program", "rows_grouped"])
 @pytest.mark.parametrize("case", SCORE_CASES)
-def test_index_scores_kernel_matches_reference(case):
+def test_index_scores_kernel_matches_reference(case, grouped, monkeypatch):
+    if grouped:  # the prefill path at these small T: 4 rows a program, sharing tiles within a request
+        monkeypatch.setattr(tk, "SCORES_CONFIG", dict(tk.SCORES_CONFIG, ROWS=4, ROWS_MIN_T=1))
     args = _score_case(1, **SCORE_CASES[case])
     ref = ops.index_scores_reference(*args)
     y = tk.index_scores(*_dev(*args))
     assert y.dtype == torch.float32 and y.shape == ref.shape
     _assert_scores_close(y, ref, args[6])
-    # batch invariance: a row alone (one row: its columns split over more programs) has the
-    # bits it has in the batch
-    for r in (2, len(args[6]) - 1):
+    # batch invariance: a row alone (one row: its columns split over more programs, no rows
+    # sharing its tiles) has the bits it has in the batch
+    for r in sorted({2, min(5, len(args[6]) - 1), len(args[6]) - 1}):
         n = int(args[6][r])
         alone = tk.index_scores(*_dev(*_row_alone(args, r)))
         assert torch.equal(alone[0, :n], y[r, :n])

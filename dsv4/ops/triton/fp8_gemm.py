@@ -226,6 +226,19 @@ def _e2m1_pair_ptx(i: int) -> str:
 _E2M1_TO_BF16_PTX = tl.constexpr("{\n.reg .b32 r, a, b;\n" + "".join(_e2m1_pair_ptx(i) for i in range(4)) + "}")
 
 
+# The same pairs for scale bytes of any size (the indexer's keys: a byte above
+# `quant.FP4_MAX_SCALE_BYTE` makes the one-multiply form's 2**(byte - 1) infinite): first one
+# exact multiply by 2**126 (bf16 0x7E80) gives the e2m1 values, then one by 2**(byte - 127)
+# ($5, both halves), exact for every byte 1 .. 254 (a product that underflows bf16's normals
+# lands on its subnormals exactly: e2m1 values have two significant bits).
+def _e2m1_pair_two_step_ptx(i: int) -> str:
+    return _e2m1_pair_ptx(i).replace(f"mul.rn.bf16x2 ${i}, a, $5;", f"mul.rn.bf16x2 a, a, k;\nmul.rn.bf16x2 ${i}, a, $5;")
+
+
+_E2M1_TO_BF16_TWO_STEP_PTX = tl.constexpr("{\n.reg .b32 r, a, b, k;\nmov.b32 k, 0x7E807E80;\n"
+                                          + "".join(_e2m1_pair_two_step_ptx(i) for i in range(4)) + "}")
+
+
 @triton.jit
 def _e2m1_pair_bits(words, i: tl.constexpr):
     """The bf16 bit pair (inputs 2i, 2i + 1; values x 2**-126) of each word: the PTX above in
@@ -258,6 +271,67 @@ def dequant_fp4_words(words, scale_byte, PTX: tl.constexpr):
             out = tl.reshape(tl.join(lo, hi), (words.shape[0], words.shape[1], 8)) * pow2(scale_byte - 1)[:, :, None]
             out = tl.reshape(out, (words.shape[0], 8 * words.shape[1])).to(tl.bfloat16)
     return out
+
+
+@triton.jit
+def dequant_fp4_key_words(words, sb, PTX: tl.constexpr):
+    """int32 [R, W] code words (nibble j of word w: channel 8w + j, the low nibble first as
+    packed) with their scale bytes [R, W] -> bf16 [R, 8W] exact, position 8w + 2i + h holding
+    channel 8w + i + 4h (the pairs `_E2M1_TO_BF16_TWO_STEP_PTX` builds, in their order)."""
+    if PTX:
+        pair = (sb << 7) | (sb << 23)  # the bf16 bits of 2**(byte - 127) in both halves
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_E2M1_TO_BF16_TWO_STEP_PTX, "=r,=r,=r,=r,r,r", [words, pair],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        keys = _bf16_from_pairs(tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1])))
+    else:  # the same bit pairs as fp32 (numpy's fp32 keeps subnormals; its bf16 is not IEEE)
+        o0, o1, o2, o3 = _e2m1_pair_bits(words, 0), _e2m1_pair_bits(words, 1), _e2m1_pair_bits(words, 2), _e2m1_pair_bits(words, 3)
+        pairs = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], words.shape[1], 4))
+        lo, hi = (pairs << 16).to(tl.float32, bitcast=True), ((pairs >> 16) << 16).to(tl.float32, bitcast=True)
+        keys = tl.reshape(tl.join(lo, hi), (words.shape[0], words.shape[1], 8)) * 2.0**126 * pow2(sb - 127)[:, :, None]
+        keys = tl.reshape(keys, (words.shape[0], 8 * words.shape[1])).to(tl.bfloat16)
+    return keys
+
+
+@triton.jit
+def halves(t):
+    """[R, 2C] -> its two halves [R, C] along the last dim."""
+    return tl.split(tl.permute(tl.reshape(t, (t.shape[0], 2, t.shape[1] // 2)), (0, 2, 1)))
+
+
+# Fragment order (the MoE kernels' FP8 weights, the indexer's FP4 keys): Triton loads a tile
+# of int32 words [rows, 16 words] with lanes on rows r % 8 (4 lanes per row, 4 words each)
+# and warps on rows r // 8 % WARPS, where the wgmma register operand wants warp w on rows
+# 16 w .. 16 w + 15 and lane q (of a row's 4) on dot positions 2q, 2q + 1 of every 8. Loading
+# the rows in `fragment_rows` order and multiplying in `fragment_dot_order` makes the
+# dequantised tile the operand by renaming registers (no shared-memory round trip).
+@triton.jit
+def fragment_rows(r, BLOCK_N: tl.constexpr, WARPS: tl.constexpr):
+    """The row (of a program's BLOCK_N) that tile row r loads: tile row r = r3 + 8 w + 8 WARPS
+    r1 + 16 WARPS hi holds row r3 + 8 r1 + 16 w + 16 WARPS hi (`fragment_dot_order` puts the
+    rows back). Tiles of fewer than 16 rows a warp keep their order."""
+    if BLOCK_N % (16 * WARPS) == 0:
+        m = r % 8 + 8 * ((r // (8 * WARPS)) % 2) + 16 * ((r // 8) % WARPS) + 16 * WARPS * (r // (16 * WARPS))
+    else:
+        m = r
+    return m
+
+
+@triton.jit
+def fragment_dot_order(w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
+                       LANE_INPUTS: tl.constexpr):
+    """The dequantised tile w [tile rows, inputs as loaded] as the dot's operand [rows, dot
+    positions]. FRAGMENT: inside every block of 4 LANE_INPUTS inputs (lane q of a row holds
+    inputs q LANE_INPUTS + 2 j + h, j < LANE_INPUTS / 2, h < 2: 16 for 4 FP8 words, 32 for 4
+    FP4 words) dot position h + 2 q + 8 j holds input q LANE_INPUTS + 2 j + h, and the tile
+    rows come in `fragment_rows` order. Pure relabelling."""
+    if FRAGMENT:
+        if BLOCK_N % (16 * WARPS) == 0:  # rows hi, r1, w, r3 -> hi, w, r1, r3; inputs q, j, h -> j, q, h
+            w = tl.permute(tl.reshape(w, (BLOCK_N // (16 * WARPS), 2, WARPS, 8, BLOCK_K // (4 * LANE_INPUTS), 4, LANE_INPUTS // 8, 2, 2, 2)),
+                           (0, 2, 1, 3, 4, 6, 7, 8, 5, 9))
+        else:
+            w = tl.permute(tl.reshape(w, (BLOCK_N, BLOCK_K // (4 * LANE_INPUTS), 4, LANE_INPUTS // 8, 2, 2, 2)), (0, 1, 3, 4, 5, 2, 6))
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+    return w
 
 
 # Knobs of the weight-only kernel (scripts/check_kernels.py's `gemm_sweep` section times

@@ -6,18 +6,22 @@ sizes its grid from tensor shapes only and loops in-kernel up to the row's real 
 synchronisation, no data-dependent output shape, so a step can be captured in a CUDA graph at
 the largest width and replayed with any lengths, doing work in proportion to the lengths.
 
-* `index_scores` — program (row, split s of S): the row's 64-column tiles s, s+S, s+2S, ...
-  (strided, so every program of a row gets a share of any length). A tile reads its keys
-  through the block table — one contiguous [64, Dk/2] run of codes when column c is entry c
-  and the tile lies in one block, else a gather per entry — and multiplies them with the row's
-  query as [keys, Dk] x [Dk, H] by `tl.dot_scaled` (e2m1 codes with ue8m0 bytes per 32
-  channels, the query bf16): the compiler upcasts the codes to bf16 times 2**(byte-127), which
-  is exact, and runs bf16 tensor cores into fp32 (exact products). The keys are the M side, so
-  a tile is one wgmma row block and the heads the N side. Then relu, x Dk**-0.5, x the head
-  weight, sum over heads. Each column is one dot product per head whatever tile or split
-  computes it, so a row's scores are the same bits alone or in any batch. S only spreads short
-  batches over the SMs (S = 1 for prefill-sized T). (Triton 3.9's interpreter runs
-  `dot_scaled`, 3.6's has none: the CPU tests need 3.9; the GPU compiles it with either.)
+* `index_scores` — program (group of ROWS rows, split s of S): the rows' BLOCK_N-column tiles s,
+  s+S, s+2S, ... (strided, so every program gets a share of any length). A tile reads its
+  keys through the block table — one contiguous [BLOCK_N, Dk/2] run of codes when column c is entry
+  c and the tile lies in one block, else a gather per entry — as int32 words, dequantises them
+  exactly to bf16 in registers (`fp8_gemm.dequant_fp4_key_words`: bit moves and two exact
+  multiplies per pair, the second by 2**(byte-127) — no conversion unit) and multiplies them
+  with the rows' queries as [keys, Dk] x [Dk, ROWS x H] on bf16 tensor cores into fp32 (exact
+  products). The keys are the M side (wgmma row blocks of 64), loaded in fragment order
+  (`fp8_gemm.fragment_rows`, `fragment_dot_order`; Dk = 128), so the dequantised tile is the
+  wgmma's register operand without a shared-memory round trip; the queries are loaded with
+  their channels in the same dot order. Rows of one request share a tile (prefill: the key
+  read and dequantisation are paid once per ROWS rows); a group of rows of several requests
+  scores them one after the other. Then relu, x Dk**-0.5, x the head weight, sum over heads.
+  Each column is one dot product per head in one order whatever tile, split or group computes
+  it (wgmma's per-element sums do not depend on N), so a row's scores are the same bits alone
+  or in any batch. S only spreads short batches over the SMs (S = 1 for prefill-sized T).
 * `block_max` — program (row, split): tiles of TILE_BLOCKS blocks, max per block, the newest
   block forced to +inf.
 * `topk_ascending` — radix select on the order-preserving uint32 image of each score, one
@@ -37,20 +41,29 @@ the largest width and replayed with any lengths, doing work in proportion to the
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import num_sms
+from dsv4.ops.triton.fp8_gemm import (
+    dequant_fp4_key_words, fragment_dot_order, fragment_rows, halves, num_sms, ptx_convert, step_scale_bytes,
+)
 
 IDX_SCALE_BLOCK = tl.constexpr(32)  # one ue8m0 byte per 32 channels of an indexer key
-# Columns per tile: wgmma's M is 64 per warp group of 4 warps; ~96 registers on sm_90 (~127
-# with an entry list), so 4-5 programs fit an SM (the gathers are not software-pipelined:
-# programs in flight hide the latency). The e2m1 upcast dominates the instructions (~35 warp
-# instructions per key at these tiles, ~30 at 128 columns; scripts/check_kernels.py times
-# both). PROGRAMS_PER_SM: the target of programs over all rows when T is small (the split S
-# of a row never changes its bits).
-SCORES_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "PROGRAMS_PER_SM": 4}
+# BLOCK_N: columns per tile (wgmma's M: 64 per warp group of 4 warps; 128 is two row blocks
+# a warp group). ROWS: from ROWS_MIN_T rows on, the rows a program stacks as the product's N
+# when they are of one request and have no entry list (prefill chunks: a tile's keys are read
+# and dequantised once for ROWS rows); a group of rows of several requests scores them one
+# after the other, with the same bits. Smaller batches (decode: a request a row) take one row
+# a program, whose kernel needs far fewer registers (sm_90, Triton 3.6: 125 vs 255 and a
+# 120-byte spill at ROWS 4). PROGRAMS_PER_SM: the target of programs over all groups when T is
+# small (the split S of a row never changes its bits). scripts/check_kernels.py (`indexer`)
+# times alternatives: S13-2, against 64 columns / ROWS 8 / 8 programs an SM, decode T=64 x 64K
+# 0.242 -> 0.168 ms, T=1 x 512K 0.031 -> 0.026, prefill 4096 x 16K 1.41 -> 1.23.
+SCORES_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "ROWS": 4, "ROWS_MIN_T": 256, "PROGRAMS_PER_SM": 8}
+FRAGMENT_DK = 128  # key width whose code tiles load in the wgmma operand's lane layout (V4.1's)
 BLOCK_MAX_CONFIG = {"TILE_BLOCKS": 128, "num_warps": 4, "PROGRAMS_PER_SM": 4}
 # BLOCK: columns per tile of every pass. A row is split into chunks of
 # max(CHUNK, CHUNK_PER_K * k) columns when the batch has fewer rows than SMs (chunks much
@@ -75,47 +88,144 @@ def _check_index(op: str, name: str, x: torch.Tensor, shape: tuple) -> None:
 
 
 @triton.jit
-def _index_scores_kernel(
-    q_ptr, w_ptr, codes_ptr, scales_ptr, block_table_ptr, row_req_ptr, lengths_ptr, entries_ptr, out_ptr,
-    H, width, scale,
+def _key_scale_bytes(scales_ptr, loc, ok, DK: tl.constexpr):
+    """int32 [BLOCK_N, DK / 8]: the ue8m0 byte of every code word of the keys at `loc` (word w:
+    channels 8w .. 8w + 7, in scale block w // 4)."""
+    if DK == 128:  # an entry's 4 bytes are one aligned int32 word: one load per key
+        word = tl.load(scales_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + loc, mask=ok, other=0)
+        sb = step_scale_bytes(word, 0, 128, 8)
+    else:
+        sb = tl.load(scales_ptr + loc[:, None] * (DK // 32) + (tl.arange(0, DK // 8) // 4)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    return sb
+
+
+@triton.jit
+def _key_channel(p, FRAGMENT: tl.constexpr):
+    """The channel at dot position p: `dequant_fp4_key_words`' order, and with FRAGMENT
+    `fragment_dot_order`'s relabelling of it (32 channels a lane: p = h + 2q + 8 i0 + 16 i1 +
+    32 u holds position 32q + 8u + 4 i1 + 2 i0 + h, i.e. channel 32q + 8u + i0 + 2 i1 + 4h)."""
+    if FRAGMENT:
+        ch = (p // 128) * 128 + 32 * ((p // 2) % 4) + 8 * ((p // 32) % 4) + (p // 8) % 2 + 2 * ((p // 16) % 2) + 4 * (p % 2)
+    else:
+        ch = (p // 8) * 8 + (p % 8) // 2 + 4 * (p % 2)
+    return ch
+
+
+@triton.jit
+def _sum_products(keys, q):
+    """keys [M, C] . q [N, C] -> fp32 [M, N], the products exact, summed in channel order."""
+    return tl.sum(keys.to(tl.float32)[:, :, None] * tl.trans(q).to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
+def _rows_dot(keys, q_t, INTERPRETED: tl.constexpr):
+    """[BLOCK_N columns in order, Dk] x [Dk, rows x heads]: exact bf16 products into fp32. In
+    the interpreter as sums over an axis, a quarter of Dk at a time (numpy's matmul orders its
+    sums by the operands' shapes, which would make a row's bits depend on how many rows share
+    its tile; the interpreter caps tensors at 2**20 elements)."""
+    if INTERPRETED:
+        k0, k1 = halves(keys)
+        q0, q1 = halves(tl.trans(q_t))
+        k00, k01 = halves(k0)
+        k10, k11 = halves(k1)
+        q00, q01 = halves(q0)
+        q10, q11 = halves(q1)
+        acc = _sum_products(k00, q00) + _sum_products(k01, q01) + _sum_products(k10, q10) + _sum_products(k11, q11)
+    else:
+        acc = tl.dot(keys, q_t)
+    return acc
+
+
+@triton.jit
+def _score_rows(
+    q_ptr, w_ptr, codes_ptr, scales_ptr, block_table_ptr, lengths_ptr, entries_ptr, out_ptr,
+    t0, req, split, n_split, H, width, scale,
     stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
-    PER_BLOCK: tl.constexpr, DK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr,
+    ROWS: tl.constexpr, PER_BLOCK: tl.constexpr, DK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr, PTX: tl.constexpr, FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    n_split = tl.num_programs(1)
-    length = tl.minimum(tl.load(lengths_ptr + t).to(tl.int32), width)
-    req = tl.load(row_req_ptr + t).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    h_ok = heads < H
-    # the query as [Dk, H], the N side of the product, loaded once
-    q_t = tl.load(q_ptr + t * stride_qt + heads[None, :] * stride_qh + tl.arange(0, DK)[:, None], mask=h_ok[None, :], other=0.0).to(tl.bfloat16)
-    w = tl.load(w_ptr + t * stride_wt + heads, mask=h_ok, other=0.0)
+    """Scores of rows t0 .. t0 + ROWS - 1 (one request `req`; ROWS = 1 with HAS_ENTRIES) over
+    this program's tiles: each tile's keys are read and dequantised once and multiplied with
+    the rows' queries stacked as N = ROWS x BLOCK_H."""
+    rows = t0 + tl.arange(0, ROWS)
+    lengths = tl.minimum(tl.load(lengths_ptr + rows).to(tl.int32), width)
+    longest = tl.max(lengths, axis=0)
+    n = tl.arange(0, ROWS * BLOCK_H)
+    n_row = t0 + n // BLOCK_H
+    head = n % BLOCK_H
+    h_ok = head < H
+    # the queries as [Dk, rows x heads], channels in dot-position order, loaded once
+    ch = _key_channel(tl.arange(0, DK), FRAGMENT)
+    q_t = tl.load(q_ptr + n_row[None, :] * stride_qt + head[None, :] * stride_qh + ch[:, None], mask=h_ok[None, :], other=0.0).to(tl.bfloat16)
+    head_w = tl.load(w_ptr + n_row * stride_wt + head, mask=h_ok, other=0.0) * scale
+    r = tl.arange(0, BLOCK_N)
+    if FRAGMENT:
+        r = fragment_rows(r, BLOCK_N, WARPS)  # the column offset tile row r loads
     cols = tl.arange(0, BLOCK_N)
-    for tile in range(split, tl.cdiv(length, BLOCK_N), n_split):
-        c = tile * BLOCK_N + cols
-        in_row = c < length
+    words_ptr = codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    for tile in range(split, tl.cdiv(longest, BLOCK_N), n_split):
+        c = tile * BLOCK_N + r
+        in_row = c < longest
         if HAS_ENTRIES:
-            entry = tl.load(entries_ptr + t * stride_et + c, mask=in_row, other=-1).to(tl.int32)
+            entry = tl.load(entries_ptr + t0 * stride_et + c, mask=in_row, other=-1).to(tl.int32)
             ok = entry >= 0
         else:
             entry = c
             ok = in_row
         if CONTIGUOUS:  # column c is entry c and the tile lies in one block: contiguous keys
             block = tl.load(block_table_ptr + req * stride_bt + (tile * BLOCK_N) // PER_BLOCK).to(tl.int64)
-            loc = block * PER_BLOCK + (tile * BLOCK_N) % PER_BLOCK + cols
+            loc = block * PER_BLOCK + (tile * BLOCK_N) % PER_BLOCK + r
         else:
             entry = tl.where(ok, entry, 0)
             block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=ok, other=0).to(tl.int64)
             loc = block * PER_BLOCK + entry % PER_BLOCK
-        codes = tl.load(codes_ptr + loc[:, None] * (DK // 2) + tl.arange(0, DK // 2)[None, :], mask=ok[:, None], other=0)
-        exps = tl.load(scales_ptr + loc[:, None] * (DK // IDX_SCALE_BLOCK) + tl.arange(0, DK // IDX_SCALE_BLOCK)[None, :], mask=ok[:, None], other=0)
-        # [BLOCK_N, Dk] keys x [Dk, H]: the compiler's e2m1 upcast to bf16 times 2**(byte-127)
-        # (exact), then bf16 tensor cores with an fp32 accumulator (exact products)
-        acc = tl.dot_scaled(codes, exps, "e2m1", q_t, None, "bf16")
-        score = tl.sum(tl.maximum(acc, 0.0) * scale * w[None, :], axis=1)
-        tl.store(out_ptr + t * stride_ot + c, tl.where(ok, score, float("-inf")), mask=in_row)
+        words = tl.load(words_ptr + loc[:, None] * (DK // 8) + tl.arange(0, DK // 8)[None, :], mask=ok[:, None], other=0)
+        keys = dequant_fp4_key_words(words, _key_scale_bytes(scales_ptr, loc, ok, DK), PTX)
+        acc = _rows_dot(fragment_dot_order(keys, BLOCK_N, DK, FRAGMENT, WARPS, 32), q_t, INTERPRETED)
+        score = tl.sum(tl.reshape(tl.maximum(acc, 0.0) * head_w[None, :], (BLOCK_N, ROWS, BLOCK_H)), axis=2)
+        cn = tile * BLOCK_N + cols
+        written = cn[:, None] < lengths[None, :]
+        if HAS_ENTRIES:
+            score = tl.where(tl.load(entries_ptr + t0 * stride_et + cn, mask=cn < longest, other=-1)[:, None] >= 0, score, float("-inf"))
+        tl.store(out_ptr + rows[None, :] * stride_ot + cn[:, None], score, mask=written)
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, w_ptr, codes_ptr, scales_ptr, block_table_ptr, row_req_ptr, lengths_ptr, entries_ptr, out_ptr,
+    T, H, width, scale,
+    stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
+    ROWS: tl.constexpr, PER_BLOCK: tl.constexpr, DK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr, PTX: tl.constexpr, FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Program (group of ROWS rows, split): the group's rows share each dequantised key tile
+    when they are of one request (a prefill chunk), else they are scored one after the other."""
+    t0 = tl.program_id(0).to(tl.int64) * ROWS
+    split = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    if ROWS == 1:
+        _score_rows(q_ptr, w_ptr, codes_ptr, scales_ptr, block_table_ptr, lengths_ptr, entries_ptr, out_ptr,
+                    t0, tl.load(row_req_ptr + t0).to(tl.int64), split, n_split, H, width, scale,
+                    stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
+                    1, PER_BLOCK, DK, BLOCK_H, BLOCK_N, HAS_ENTRIES, CONTIGUOUS, PTX, FRAGMENT, WARPS, INTERPRETED)
+    else:
+        g = t0 + tl.arange(0, ROWS)
+        reqs = tl.load(row_req_ptr + g, mask=g < T, other=-1).to(tl.int64)
+        if tl.min(reqs, axis=0) == tl.max(reqs, axis=0):
+            _score_rows(q_ptr, w_ptr, codes_ptr, scales_ptr, block_table_ptr, lengths_ptr, entries_ptr, out_ptr,
+                        t0, tl.max(reqs, axis=0), split, n_split, H, width, scale,
+                        stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
+                        ROWS, PER_BLOCK, DK, BLOCK_H, BLOCK_N, HAS_ENTRIES, CONTIGUOUS, PTX, FRAGMENT, WARPS, INTERPRETED)
+        else:
+            for i in range(ROWS):
+                t = t0 + i
+                if t < T:
+                    _score_rows(q_ptr, w_ptr, codes_ptr, scales_ptr, block_table_ptr, lengths_ptr, entries_ptr, out_ptr,
+                                t, tl.load(row_req_ptr + t).to(tl.int64), split, n_split, H, width, scale,
+                                stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
+                                1, PER_BLOCK, DK, BLOCK_H, BLOCK_N, HAS_ENTRIES, CONTIGUOUS, PTX, FRAGMENT, WARPS, INTERPRETED)
 
 
 def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengths, per_block: int, width: int, entries=None) -> torch.Tensor:
@@ -153,14 +263,16 @@ def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengt
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     ent = out if entries is None else (entries if entries.stride(-1) == 1 else entries.contiguous())
-    split = max(1, min(triton.cdiv(width, bn), triton.cdiv(cfg["PROGRAMS_PER_SM"] * num_sms(q.device), t)))
-    _index_scores_kernel[(t, split)](
+    rows = cfg["ROWS"] if entries is None and t >= cfg["ROWS_MIN_T"] else 1  # (an entry list is a row's own)
+    groups = triton.cdiv(t, rows)
+    split = max(1, min(triton.cdiv(width, bn), triton.cdiv(cfg["PROGRAMS_PER_SM"] * num_sms(q.device), groups)))
+    _index_scores_kernel[(groups, split)](
         q, weights, key_codes, key_scales, block_tables, row_req, lengths, ent, out,
-        h, width, dk**-0.5,
+        t, h, width, dk**-0.5,
         q.stride(0), q.stride(1), weights.stride(0), block_tables.stride(0), ent.stride(0), out.stride(0),
-        PER_BLOCK=per_block, DK=dk, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_N=bn, HAS_ENTRIES=entries is not None,
-        CONTIGUOUS=entries is None and per_block % bn == 0,
-        num_warps=cfg["num_warps"],
+        ROWS=rows, PER_BLOCK=per_block, DK=dk, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_N=bn, HAS_ENTRIES=entries is not None,
+        CONTIGUOUS=entries is None and per_block % bn == 0, PTX=ptx_convert(q.device), FRAGMENT=dk == FRAGMENT_DK,
+        WARPS=cfg["num_warps"], INTERPRETED=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=cfg["num_warps"],
     )
     return out
 

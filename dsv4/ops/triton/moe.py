@@ -57,13 +57,16 @@ import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import (
     dequant_fp4, dequant_fp4_words, dequant_fp8, dequant_rows, dequant_word_step, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant,
-    fp8_quantise, ptx_convert, step_scale_bytes, wgmma_tile_error,
+    fp8_quantise, fragment_dot_order, fragment_rows, halves, ptx_convert, step_scale_bytes, wgmma_tile_error,
 )
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
-FRAGMENT_BLOCK = 64  # inputs per block of the bf16 kernels' fragment order (`_dot_order`)
+FRAGMENT_BLOCK = 64  # inputs per block of the bf16 kernels' fragment order (`fragment_dot_order`)
 ALIGN_P_BLOCK = 512  # pairs per chunk of the layout kernel's passes
 _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads constexpr globals only)
+# inputs of a weight row that one lane's load of a 64-input block of FP8 words holds (4 words
+# of 4 codes; `fragment_dot_order`)
+_LANE_INPUTS = tl.constexpr(FRAGMENT_BLOCK // 4)
 
 # Knobs (scripts/check_kernels.py's `gemm_sweep` section times alternatives on the device).
 # Both GEMMs compute their tiles transposed, the expert's weight rows as the wgmma's M and the
@@ -83,10 +86,10 @@ _PIECE = tl.constexpr(SCALE_BLOCK)  # the kernels' view of it (jit code reads co
 #   per 32 inputs, `_step_dot`): on sm_90 one wgmma chain of k16 steps in the same order
 #   whatever BLOCK_K, BLOCK_N, BLOCK_T or STACK, so a row's bits depend on none of these knobs.
 # Fragment order (inputs a multiple of 64; not a knob: it is part of the numerics): inside
-#   every block of 64 inputs the dot runs over them in the order `_dot_order` gives, which is
+#   every block of 64 inputs the dot runs over them in the order `fragment_dot_order` gives, which is
 #   the order in which Triton's load of a 64-input word tile already hands each thread the
 #   pairs the wgmma register operand wants of it (with the tile's rows taken in
-#   `_fragment_rows` order), so the dequantised tile reaches the operand without the
+#   `fragment_rows` order), so the dequantised tile reaches the operand without the
 #   shared-memory round trip (STS, LDSM and their barriers) that natural order needs — the
 #   L1/TEX traffic the eighth session's ncu found bounding these kernels. x (`fragment_order`,
 #   one copy) and the activations (stored so by gate_up) come in the same order. Measured
@@ -182,39 +185,8 @@ MOE = {
 
 
 @triton.jit
-def _fragment_rows(r, BLOCK_N: tl.constexpr, WARPS: tl.constexpr):
-    """The weight row (of a program's BLOCK_N) that tile row r loads (`MOE` "fragment order"):
-    Triton's load of a [BLOCK_N, 64-input] word tile gives lanes rows r % 8 and warps rows
-    r // 8 % WARPS, where the wgmma operand wants warp w on rows 16 w .. 16 w + 15, so tile
-    row r = r3 + 8 w + 8 WARPS r1 + 16 WARPS hi holds row r3 + 8 r1 + 16 w + 16 WARPS hi
-    (`_dot_order` puts the rows back). Tiles of fewer than 16 rows a warp keep their order."""
-    if BLOCK_N % (16 * WARPS) == 0:
-        m = r % 8 + 8 * ((r // (8 * WARPS)) % 2) + 16 * ((r // 8) % WARPS) + 16 * WARPS * (r // (16 * WARPS))
-    else:
-        m = r
-    return m
-
-
-@triton.jit
-def _dot_order(w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr, WARPS: tl.constexpr):
-    """The dequantised K step w [tile rows, inputs in input order] as the dot's operand [weight
-    rows, dot positions]. FRAGMENT: inside every block of 64 inputs the dot position kappa =
-    n0 + 2 n45 + 8 n1 + 16 n2 + 32 n3 holds input n0 + 2 n1 + 4 n2 + 8 n3 + 16 n45 (`sigma`),
-    and tile rows are in `_fragment_rows` order: then each thread already holds the dequantised
-    pairs the wgmma operand wants of it, and the tile reaches the operand by renaming registers
-    (no shared-memory round trip: scripts/weight_path_experiment.py). Pure relabelling."""
-    if FRAGMENT:
-        if BLOCK_N % (16 * WARPS) == 0:  # rows hi, r1, w, r3 -> hi, w, r1, r3; inputs n45, n3, n2, n1, n0 -> n3, n2, n1, n45, n0
-            w = tl.permute(tl.reshape(w, (BLOCK_N // (16 * WARPS), 2, WARPS, 8, BLOCK_K // 64, 4, 2, 2, 2, 2)), (0, 2, 1, 3, 4, 6, 7, 8, 5, 9))
-        else:
-            w = tl.permute(tl.reshape(w, (BLOCK_N, BLOCK_K // 64, 4, 2, 2, 2, 2)), (0, 1, 3, 4, 5, 2, 6))
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
-    return w
-
-
-@triton.jit
 def _sigma_inverse(c):
-    """The dot position of input c inside its block of 64 (`_dot_order`): where the gate_up
+    """The dot position of input c inside its block of 64 (`fragment_dot_order`): where the gate_up
     kernel stores activation channel c for the down kernel."""
     return (c // 64) * 64 + c % 2 + 8 * ((c // 2) % 8) + 2 * ((c // 16) % 4)
 
@@ -227,7 +199,7 @@ def _step_tile(w_rows, scales, scale_word, n_ok, k0, K, BLOCK_K: tl.constexpr, F
     FP4: int32 words of 8 codes (`quant.fp4_kernel_layout`), the scale of each word from the
     rows' scale word (WORDS) or loaded. Else FP8: WORDS, int32 words of 4 codes with the
     scales from the rows' scale word (`MOE["DEQUANT"]`; HALVES: a 128-input step loaded as two
-    64-input halves, so that each half has the lane layout `_dot_order` relies on); or bytes
+    64-input halves, so that each half has the lane layout `fragment_dot_order` relies on); or bytes
     with a scale per 32 inputs. Steps past K read zero codes."""
     if FP4:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -258,24 +230,18 @@ def _step_tile(w_rows, scales, scale_word, n_ok, k0, K, BLOCK_K: tl.constexpr, F
 
 
 @triton.jit
-def _halves(t):
-    """[R, 2C] -> its two halves [R, C] along the last dim."""
-    return tl.split(tl.permute(tl.reshape(t, (t.shape[0], 2, t.shape[1] // 2)), (0, 2, 1)))
-
-
-@triton.jit
 def _step_dot(w, x, acc, PIECES: tl.constexpr):
     """acc + w @ x^T over one K step (64 or 128 dot positions): one dot (compiled: one wgmma
     chain of k16 steps), or with PIECES (the interpreter) one dot per 32 positions in order, so
     that numpy's sums, whose order follows the operands' shapes, do not depend on the tile."""
     if PIECES:
-        w0, w1 = _halves(w)
-        x0, x1 = _halves(x)
+        w0, w1 = halves(w)
+        x0, x1 = halves(x)
         if w.shape[1] == 128:
-            w00, w01 = _halves(w0)
-            w10, w11 = _halves(w1)
-            x00, x01 = _halves(x0)
-            x10, x11 = _halves(x1)
+            w00, w01 = halves(w0)
+            w10, w11 = halves(w1)
+            x00, x01 = halves(x0)
+            x10, x11 = halves(x1)
             acc = tl.dot(w11, tl.trans(x11), tl.dot(w10, tl.trans(x10), tl.dot(w01, tl.trans(x01), tl.dot(w00, tl.trans(x00), acc))))
         else:
             acc = tl.dot(w1, tl.trans(x1), tl.dot(w0, tl.trans(x0), acc))
@@ -423,7 +389,7 @@ def _gate_up_kernel(
     one accumulator split in two for the SwiGLU (half the work per program, twice the
     programs); else BLOCK_N gate rows and BLOCK_N up rows in two accumulators.
     FRAGMENT: x holds its inputs in fragment order (`fragment_order`) and the weights enter the
-    dot in it (`_dot_order`); ACT_FRAGMENT: the activations are stored in fragment order, as
+    dot in it (`fragment_dot_order`); ACT_FRAGMENT: the activations are stored in fragment order, as
     the down kernel reads them. LAST_SLOT: see `_tile_pairs`."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -439,7 +405,7 @@ def _gate_up_kernel(
     token = pair // TOPK
     r = tl.arange(0, BLOCK_N)
     if FRAGMENT:
-        r = _fragment_rows(r, BLOCK_N, WARPS)
+        r = fragment_rows(r, BLOCK_N, WARPS)
     rn, w_row = _gate_up_rows(pid_n, I, r, BLOCK_N, STACK)
     n_ok = rn < I
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
@@ -460,10 +426,10 @@ def _gate_up_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=valid[:, None] if EVEN_K else valid[:, None] & (k < D)[None, :], other=0.0)
         wg = _step_tile(gate_rows, gate_scales, sg_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128)
-        acc_gate = _step_dot(_dot_order(wg, BLOCK_N, BLOCK_K, FRAGMENT, WARPS), x, acc_gate, not PTX)
+        acc_gate = _step_dot(fragment_dot_order(wg, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_gate, not PTX)
         if not STACK:
             wu = _step_tile(up_rows, up_scales, su_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128)
-            acc_up = _step_dot(_dot_order(wu, BLOCK_N, BLOCK_K, FRAGMENT, WARPS), x, acc_up, not PTX)
+            acc_up = _step_dot(fragment_dot_order(wu, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_up, not PTX)
     gate, up = _gate_up_split(acc_gate, acc_up, BLOCK_N, BLOCK_T, STACK)
     rn = pid_n * (BLOCK_N // 2 if STACK else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if STACK else BLOCK_N)  # one channel per gate row
     n_ok = rn < I
@@ -496,7 +462,7 @@ def _down_kernel(
     valid = pair < n_pairs
     r = tl.arange(0, BLOCK_N)
     if FRAGMENT:
-        r = _fragment_rows(r, BLOCK_N, WARPS)
+        r = fragment_rows(r, BLOCK_N, WARPS)
     w_n = pid_n * BLOCK_N + r  # the weight row of each tile row
     n_ok = w_n < D
     a_rows = act_ptr + offs.to(tl.int64)[:, None] * stride_act
@@ -511,7 +477,7 @@ def _down_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + k[None, :], mask=valid[:, None] if EVEN_K else valid[:, None] & (k < I)[None, :], other=0.0)
         w = _step_tile(w_rows, scales, s_word if WORDS else 0, n_ok, k0, I, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128)
-        acc = _step_dot(_dot_order(w, BLOCK_N, BLOCK_K, FRAGMENT, WARPS), a, acc, not PTX)
+        acc = _step_dot(fragment_dot_order(w, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), a, acc, not PTX)
     y = acc.to(tl.bfloat16)
     if not WEIGHT_BEFORE_DOWN:
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
@@ -833,7 +799,7 @@ def _dense_stack(w: torch.Tensor, scale: torch.Tensor, shared: tuple | None) -> 
 def fragment_order(x: torch.Tensor) -> torch.Tensor:
     """x [T, K] (K a multiple of 64) with every block of 64 inputs in fragment order: position
     kappa = n0 + 2 n45 + 8 n1 + 16 n2 + 32 n3 holds input n0 + 2 n1 + 4 n2 + 8 n3 + 16 n45
-    (`_dot_order`). One copy: the gate_up kernel then loads x's K steps as they lie."""
+    (`fragment_dot_order`). One copy: the gate_up kernel then loads x's K steps as they lie."""
     t, k = x.shape
     return x.view(t, k // FRAGMENT_BLOCK, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(t, k)
 
