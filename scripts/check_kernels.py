@@ -2230,12 +2230,14 @@ def compile_targets() -> list[tuple]:
                     if variant["WORDS"] and 128 % part["BLOCK_K"]:
                         continue
                     # the real shapes' D and I are multiples of 64: fragment order
-                    consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
-                              "FRAGMENT": True, "WARPS": part["num_warps"], **variant}
+                    # (FP4 stacks of whole 128s: slot order, whole 128-input steps, as `moe_experts` runs them)
+                    consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"],
+                              "BLOCK_K": 128 if variant["FP4"] else part["BLOCK_K"], "EVEN_K": True, "PTX": True,
+                              "FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": variant["FP4"], **variant}
                     if name == "gate_up":
                         consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False), ACT_FRAGMENT=True)
                     dequant = ("fp4 " if variant["FP4"] else "") + ("words" if variant["WORDS"] else "bytes")
-                    label = (f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} before={before} {dequant}"
+                    label = (f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={consts['BLOCK_K']} before={before} {dequant}"
                              f"{' pair-tiles' if variant['PAIR_TILES'] else ''}{' last-slot' if variant['LAST_SLOT'] else ''}")
                     out.append((label, kernel, dict(types, w_ptr="*u8:16") if variant["FP4"] else types, consts,
                                 {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
@@ -2245,7 +2247,7 @@ def compile_targets() -> list[tuple]:
     for pair_tiles in (False, True):
         consts = {"WEIGHT_BEFORE_DOWN": True, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
                   "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True, "FP4": False, "LAST_SLOT": 0,
-                  "FRAGMENT": True, "ACT_FRAGMENT": True, "WARPS": part["num_warps"]}
+                  "FRAGMENT": True, "ACT_FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": False}
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
         out.append((label, moe._gate_up_kernel, gate_up, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     # the FP8-activation kernels (fp8_act), every row class

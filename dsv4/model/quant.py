@@ -122,6 +122,15 @@ def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: int = 32,
 # to the two 16-bit halves where the kernels build its bf16 pair (`fp8_gemm.dequant_fp4_words`).
 _FP4_NIBBLE_INPUT = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a word holds input _FP4_NIBBLE_INPUT[j]
 _FP4_INPUT_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # and input k sits in nibble _FP4_INPUT_NIBBLE[k]
+# Rows of whole 128s of inputs also reorder the 16 words of every 128 inputs ("slots"): slot
+# 4q + u (u < 4) holds word 8 (u // 2) + 2q + u % 2. A 16-byte load by lane q of a [rows, 16
+# words] tile then brings it inputs 16q .. 16q + 15 of both 64-input halves — the lane layout
+# of the FP8 words' fragment order (`fp8_gemm.fragment_dot_order`), so FP4 stacks multiply in
+# the FP8 stacks' order without a shared-memory round trip, and keep their bits
+# (`moe._step_tile`, `fp8_gemm.fp4_slot_words`).
+FP4_SLOT_INPUTS = 128
+_FP4_SLOT_WORD = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)  # slot m holds word _FP4_SLOT_WORD[m]
+_FP4_WORD_SLOT = tuple(_FP4_SLOT_WORD.index(w) for w in range(16))
 # The kernels multiply the bf16 pattern of a code (its value x 2**-126) by 2**(byte - 1), a
 # bf16 below 2**128 for exponent bytes up to 128 (2**1; released experts sit near 2**-8).
 FP4_MAX_SCALE_BYTE = 128
@@ -129,18 +138,24 @@ FP4_MAX_SCALE_BYTE = 128
 
 def fp4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint FP4 [rows, cols/2] (int8/uint8, low nibble = even input) -> uint8 [rows,
-    cols/2] in the kernels' order (above); cols a multiple of 8."""
+    cols/2] in the kernels' order (above: nibbles, and slots when cols is a multiple of
+    FP4_SLOT_INPUTS); cols a multiple of 8."""
     codes = unpack_fp4(packed)
     rows, cols = codes.shape
     if cols % 8:
         raise FormatError(f"FP4 expert rows must hold a multiple of 8 inputs for the kernels' layout, got {cols}")
     nibbles = codes.view(rows, cols // 8, 8)[:, :, list(_FP4_NIBBLE_INPUT)]
-    return (nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)).reshape(rows, cols // 2)
+    words = (nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)).view(rows, cols // 8, 4)
+    if cols % FP4_SLOT_INPUTS == 0:
+        words = words.view(rows, cols // FP4_SLOT_INPUTS, 16, 4)[:, :, list(_FP4_SLOT_WORD)]
+    return words.reshape(rows, cols // 2)
 
 
 def fp4_codes_from_kernel_layout(stored: torch.Tensor) -> torch.Tensor:
     """Inverse of `fp4_kernel_layout`: uint8 [rows, cols/2] -> e2m1 codes [rows, cols]."""
     rows, half = stored.shape
+    if (2 * half) % FP4_SLOT_INPUTS == 0:
+        stored = stored.view(rows, 2 * half // FP4_SLOT_INPUTS, 16, 4)[:, :, list(_FP4_WORD_SLOT)].reshape(rows, half)
     nibbles = unpack_fp4(stored).view(rows, half // 4, 8)
     return nibbles[:, :, list(_FP4_INPUT_NIBBLE)].reshape(rows, 2 * half)
 

@@ -464,6 +464,16 @@ def _fp4_experts(e: int, d: int, inter: int, g: torch.Generator):
     return (kept[0], s13, kept[1], s2), (fp8[0], s13, fp8[1], s2)
 
 
+def _fp4_routed_case(seed: int, t: int, top_k: int, n_exp: int, d: int, inter: int):
+    """(generator, x, ids, weights on the device, FP4 stacks, their FP8 conversion) of a routed batch."""
+    g = _gen(seed)
+    x = (torch.randn(t, d, generator=g) * 2).bfloat16()
+    fp4, fp8 = _fp4_experts(n_exp, d, inter, g)
+    scores = moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g))
+    weights, ids = moe_ref.route(scores, torch.zeros(n_exp), top_k, None, 1.5, True)
+    return g, x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), fp4, fp8
+
+
 @pytest.mark.parametrize("weight_before_down", [True, False])
 # the row classes of test_moe_experts_matches_reference (pair tiles, the layout, row tiles 16, 64, 128)
 @pytest.mark.parametrize("t,top_k,n_exp", [(3, 2, 8), (6, 2, 16), (5, 3, 8), (40, 2, 4), (60, 2, 2)])
@@ -473,14 +483,9 @@ def test_moe_experts_fp4_give_the_bits_of_their_fp8_conversion(weight_before_dow
     a separate FP8 stack of one (every token's last slot) the bits of the FP8 stack that holds
     it as its last expert — grouped and dense (prefill) paths alike."""
     d, inter, limit = 64, 96, 10.0
-    g = _gen(t * 13 + top_k)
-    x = (torch.randn(t, d, generator=g) * 2).bfloat16()
-    fp4, fp8 = _fp4_experts(n_exp, d, inter, g)
+    g, x, ids, weights, fp4, fp8 = _fp4_routed_case(t * 13 + top_k, t, top_k, n_exp, d, inter)
     shared = _experts(1, d, inter, g)
-    scores = moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g))
-    weights, ids = moe_ref.route(scores, torch.zeros(n_exp), top_k, None, 1.5, True)
     dev = lambda ts: [a.to(DEVICE) for a in ts]
-    x, ids, weights = dev((x, ids, weights))
     want = moe.moe_experts(x, ids, weights, *dev(fp8), limit, weight_before_down)
     assert torch.equal(moe.moe_experts(x, ids, weights, *dev(fp4), limit, weight_before_down), want)
     ids_s = torch.cat([ids, torch.full_like(ids[:, :1], n_exp)], 1)
@@ -490,6 +495,16 @@ def test_moe_experts_fp4_give_the_bits_of_their_fp8_conversion(weight_before_dow
         want = kernel(x, ids_s, weights_s, *with_shared, limit, weight_before_down, torch.bfloat16)
         got = kernel(x, ids_s, weights_s, *dev(fp4), limit, weight_before_down, torch.bfloat16, shared=tuple(dev(shared)))
         assert torch.equal(got, want), kernel.__name__
+
+
+@pytest.mark.parametrize("t,top_k,n_exp", [(3, 2, 8), (40, 2, 4), (60, 2, 2)])
+def test_moe_experts_fp4_slot_layout_gives_the_bits_of_fp8(t, top_k, n_exp):
+    """Inputs in whole 128s: the FP4 words lie in slot order (`quant.fp4_kernel_layout`), read
+    in whole 128-input steps (the prefill class's 64-input steps too) and relabelled into input
+    order — the FP8 stacks' bits at pair tiles, 16-pair tiles and the prefill tile."""
+    _, x, ids, weights, fp4, fp8 = _fp4_routed_case(t * 17 + top_k, t, top_k, n_exp, 128, 256)
+    want = moe.moe_experts(x, ids, weights, *[a.to(DEVICE) for a in fp8], 10.0, True)
+    assert torch.equal(moe.moe_experts(x, ids, weights, *[a.to(DEVICE) for a in fp4], 10.0, True), want)
 
 
 def test_moe_experts_fp4_reject_bad_stacks():
@@ -514,7 +529,7 @@ def test_moe_experts_fp4_reject_bad_stacks():
 
 def test_dequant_fp4_matches_the_checkpoint_decoding():
     g = _gen(8)
-    for n, k in ((5, 64), (33, 288), (2, 32)):
+    for n, k in ((5, 64), (33, 288), (2, 32), (3, 256), (4, 384)):  # (256, 384: words in slot order)
         packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
         scale = torch.randint(100, quant.FP4_MAX_SCALE_BYTE + 1, (n, k // 32), generator=g, dtype=torch.uint8)
         kept = quant.fp4_kernel_layout(packed)

@@ -293,6 +293,20 @@ def dequant_fp4_key_words(words, sb, PTX: tl.constexpr):
 
 
 @triton.jit
+def fp4_slot_words(words):
+    """int32 [R, 16 C] words of whole 128-input blocks in slot order (`quant.fp4_kernel_layout`:
+    slot 4q + 2 u1 + u0 holds word 8 u1 + 2q + u0) -> the words in input order: a relabelling
+    (lane q's four slots are its own words either way)."""
+    return tl.reshape(tl.permute(tl.reshape(words, (words.shape[0], words.shape[1] // 16, 4, 2, 2)), (0, 1, 3, 2, 4)), (words.shape[0], words.shape[1]))
+
+
+@triton.jit
+def fp4_word_slot(w):
+    """The slot (`quant.fp4_kernel_layout`) of FP4 word w of a row of whole 128-input blocks."""
+    return (w // 16) * 16 + 4 * ((w % 8) // 2) + 2 * ((w % 16) // 8) + w % 2
+
+
+@triton.jit
 def halves(t):
     """[R, 2C] -> its two halves [R, C] along the last dim."""
     return tl.split(tl.permute(tl.reshape(t, (t.shape[0], 2, t.shape[1] // 2)), (0, 2, 1)))
@@ -792,16 +806,16 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bo
 
 @triton.jit
 def _dequant_fp4_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                        PTX: tl.constexpr):
+                        PTX: tl.constexpr, SLOTS: tl.constexpr):
     """out [BLOCK_R, BLOCK_C] tile of a compact FP4 weight (kernel layout, K a multiple of 32):
     each 32 inputs are 4 int32 words and one scale byte, viewed as BLOCK_R * BLOCK_C / 32 rows
-    for `dequant_fp4_words`."""
+    for `dequant_fp4_words`. SLOTS: rows of whole 128s, their words in slot order."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pieces = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
     words = tl.program_id(1) * (BLOCK_C // 8) + tl.arange(0, BLOCK_C // 8)
     r_ok = rows < N
     w_rows = (w_ptr + rows.to(tl.int64)[:, None] * stride_wn).to(tl.pointer_type(tl.int32), bitcast=True)
-    w = tl.load(w_rows + words[None, :], mask=r_ok[:, None] & (words < K // 8)[None, :], other=0)
+    w = tl.load(w_rows + (fp4_word_slot(words) if SLOTS else words)[None, :], mask=r_ok[:, None] & (words < K // 8)[None, :], other=0)
     s = tl.load(s_ptr + rows[:, None] * stride_sn + pieces[None, :], mask=r_ok[:, None] & (pieces < K // 32)[None, :], other=127)
     out = dequant_fp4_words(tl.reshape(w, (BLOCK_R * (BLOCK_C // 32), 4)), tl.reshape(s, (BLOCK_R * (BLOCK_C // 32),)).to(tl.int32), PTX)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -824,7 +838,8 @@ def dequant_fp4(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
         raise ValueError(f"dequant_fp4: out must be bf16 {[n, k]} with unit last stride, got {out.dtype} {list(out.shape)}")
     block_c = 256
     _dequant_fp4_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_c))](
-        w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0), BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=8,
+        w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0), BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device),
+        SLOTS=k % quant.FP4_SLOT_INPUTS == 0, num_warps=8,
     )
     return out
 

@@ -12,8 +12,8 @@ w13 holds w1 (gate) in rows 0..I-1 and w3 (up) in rows I..2I-1; the scales are E
 bytes, one per 32 inputs of a row — the exact FP4 -> FP8 conversion of the released experts
 (`quant.fp4_expert_to_fp8`), or the released FP4 codes themselves (uint8 [E, 2I, D/2] and
 [E, D, I/2], `quant.fp4_kernel_layout`, `ModelConfig.fp4_experts`: half the memory; the
-kernels dequantise them to the same bf16 values, so the same results, in whole K steps 7-11%
-faster than FP8's at 384 experts, docs/PERF.md), then with
+kernels dequantise them to the same bf16 values, so the same results, in whole 128-input
+steps, 5-18% faster than FP8's at 384 experts, docs/PERF.md thirteenth session), then with
 V4.1's FP8 shared expert as `shared`. A routing weight of a token is applied before the down projection
 (V4.1, `weight_before_down`) or to its output (V4); the result is the fp32 sum over the k
 experts in ascending expert id, as the reference accumulates. (V4's reference accumulates in
@@ -55,9 +55,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.model import quant
 from dsv4.ops.triton.fp8_gemm import (
     dequant_fp4, dequant_fp4_words, dequant_fp8, dequant_rows, dequant_word_step, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant,
-    fp8_quantise, fragment_dot_order, fragment_rows, halves, ptx_convert, step_scale_bytes, wgmma_tile_error,
+    fp4_slot_words, fp8_quantise, fragment_dot_order, fragment_rows, halves, ptx_convert, step_scale_bytes, wgmma_tile_error,
 )
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
@@ -95,7 +96,10 @@ _LANE_INPUTS = tl.constexpr(FRAGMENT_BLOCK // 4)
 #   one copy) and the activations (stored so by gate_up) come in the same order. Measured
 #   (docs/PERF.md twelfth session): a weight-streaming GEMM alone 10-32% faster at 1-64
 #   tokens (scripts/weight_path_experiment.py), the MoE kernels 8-12% at T = 1 .. 256. FP4
-#   words (8 codes) do not land on the operand's pairs: FP4 experts lost 9-13% by it.
+#   stacks of whole 128s hold their words in slot order (`quant.fp4_kernel_layout`), so their
+#   16-word steps land in the same lanes and, relabelled (`fp8_gemm.fp4_slot_words`), run in
+#   the same order with the same bits (thirteenth session: 5-18% faster than FP8 at 384
+#   experts, where natural word order had lost 8-13%).
 # "ALIGN_MAX_PAIRS": up to this many (token, slot) pairs the expert layout is built by one
 #   Triton launch (each program reads every pair twice), above by torch's sort.
 # "PAIR_TILES_MAX_PAIRS": up to this many pairs there is no layout at all: pair p is row tile
@@ -193,17 +197,20 @@ def _sigma_inverse(c):
 
 @triton.jit
 def _step_tile(w_rows, scales, scale_word, n_ok, k0, K, BLOCK_K: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
-               PTX: tl.constexpr, HALVES: tl.constexpr):
+               PTX: tl.constexpr, HALVES: tl.constexpr, SLOTS: tl.constexpr):
     """bf16 [R, BLOCK_K]: the weights of the K step at k0 (inputs in input order) of the rows
     w_rows ([R, 1] pointers; `scales` [R] their first scale bytes), dequantised exactly.
-    FP4: int32 words of 8 codes (`quant.fp4_kernel_layout`), the scale of each word from the
+    FP4: int32 words of 8 codes (`quant.fp4_kernel_layout`; SLOTS: rows of whole 128s, read
+    in whole 128-input steps and relabelled from slot order), the scale of each word from the
     rows' scale word (WORDS) or loaded. Else FP8: WORDS, int32 words of 4 codes with the
     scales from the rows' scale word (`MOE["DEQUANT"]`; HALVES: a 128-input step loaded as two
     64-input halves, so that each half has the lane layout `fragment_dot_order` relies on); or bytes
     with a scale per 32 inputs. Steps past K read zero codes."""
-    if FP4:
+    if FP4:  # (rows of whole 128s: whole slot blocks, put in input order by relabelling)
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_rows.to(tl.pointer_type(tl.int32), bitcast=True) + kw[None, :], mask=n_ok[:, None] & (kw < K // 8)[None, :], other=0)
+        if SLOTS:
+            words = fp4_slot_words(words)
         if WORDS:
             sb = step_scale_bytes(scale_word, k0, BLOCK_K, 8)
         else:
@@ -380,7 +387,7 @@ def _gate_up_kernel(
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
-    FRAGMENT: tl.constexpr, ACT_FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
+    FRAGMENT: tl.constexpr, ACT_FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
     transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`), one
@@ -425,10 +432,10 @@ def _gate_up_kernel(
                 su_word = tl.load(up_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=valid[:, None] if EVEN_K else valid[:, None] & (k < D)[None, :], other=0.0)
-        wg = _step_tile(gate_rows, gate_scales, sg_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128)
+        wg = _step_tile(gate_rows, gate_scales, sg_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
         acc_gate = _step_dot(fragment_dot_order(wg, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_gate, not PTX)
         if not STACK:
-            wu = _step_tile(up_rows, up_scales, su_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128)
+            wu = _step_tile(up_rows, up_scales, su_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
             acc_up = _step_dot(fragment_dot_order(wu, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_up, not PTX)
     gate, up = _gate_up_split(acc_gate, acc_up, BLOCK_N, BLOCK_T, STACK)
     rn = pid_n * (BLOCK_N // 2 if STACK else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if STACK else BLOCK_N)  # one channel per gate row
@@ -448,7 +455,7 @@ def _down_kernel(
     WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
-    FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
+    FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16),
     computed transposed like `_gate_up_kernel` (FP4, LAST_SLOT, FRAGMENT: as there; the
@@ -476,7 +483,7 @@ def _down_kernel(
             s_word = tl.load(s_words + k0 // (4 * _PIECE), mask=n_ok, other=0)
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + k[None, :], mask=valid[:, None] if EVEN_K else valid[:, None] & (k < I)[None, :], other=0.0)
-        w = _step_tile(w_rows, scales, s_word if WORDS else 0, n_ok, k0, I, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128)
+        w = _step_tile(w_rows, scales, s_word if WORDS else 0, n_ok, k0, I, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
         acc = _step_dot(fragment_dot_order(w, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), a, acc, not PTX)
     y = acc.to(tl.bfloat16)
     if not WEIGHT_BEFORE_DOWN:
@@ -849,6 +856,9 @@ def moe_experts(
     weights = topk_weights.float().contiguous()  # pair p = token * k + slot, as the rows index it
     cfg = moe_config(n_pairs, n_experts, fp8_act)
     bt, gu, dn = cfg["BLOCK_T"], cfg["gate_up"], cfg["down"]
+    if fp4:  # FP4 rows of whole 128s are read in whole slot blocks (`quant.fp4_kernel_layout`)
+        gu = dict(gu, BLOCK_K=quant.FP4_SLOT_INPUTS) if d % quant.FP4_SLOT_INPUTS == 0 else gu
+        dn = dict(dn, BLOCK_K=quant.FP4_SLOT_INPUTS) if inter % quant.FP4_SLOT_INPUTS == 0 else dn
     for name, part in (("gate_up", gu), ("down", dn)):  # the FP8 kernels run pieces of 32; the bf16 ones whole fragment blocks
         if (part["BLOCK_K"] % SCALE_BLOCK) if fp8_act else part["BLOCK_K"] not in (FRAGMENT_BLOCK, 2 * FRAGMENT_BLOCK):
             want = f"a multiple of {SCALE_BLOCK}" if fp8_act else f"{FRAGMENT_BLOCK} or {2 * FRAGMENT_BLOCK}"
@@ -909,7 +919,7 @@ def moe_experts(
             TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
             WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot,
-            FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"],
+            FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and d % quant.FP4_SLOT_INPUTS == 0,
             num_warps=gu["num_warps"], num_stages=gu["num_stages"],
         )
         _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
@@ -919,7 +929,7 @@ def moe_experts(
             WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
             WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
-            FRAGMENT=act_fragment, WARPS=dn["num_warps"],
+            FRAGMENT=act_fragment, WARPS=dn["num_warps"], SLOTS=fp4 and inter % quant.FP4_SLOT_INPUTS == 0,
             num_warps=dn["num_warps"], num_stages=dn["num_stages"],
         )
 
