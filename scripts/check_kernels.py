@@ -1432,9 +1432,11 @@ IDX_SCORES_CONFIGS = [  # the default first
     {"BLOCK_N": 64, "num_warps": 4, "ROWS": 4, "PROGRAMS_PER_SM": 8},
 ]
 IDX_TOPK_CONFIGS = [  # the default first
-    {"BLOCK": 1024, "num_warps": 4},
     {"BLOCK": 2048, "num_warps": 8},
+    {"BLOCK": 1024, "num_warps": 4},
+    {"BLOCK": 2048, "num_warps": 8, "CHUNK": 8192},
     {"BLOCK": 1024, "num_warps": 4, "CHUNK": 8192},
+    {"BLOCK": 1024, "num_warps": 4, "CHUNK": 4096, "CHUNK_PER_K": 4},
     {"BLOCK": 1024, "num_warps": 4, "CHUNK": 32768},
 ]
 
@@ -1559,7 +1561,7 @@ def indexer_invariance(cache: IndexerCache) -> None:
 def section_indexer() -> None:
     cache = IndexerCache(64 * 524288 // IDX_PER_BLOCK)  # the largest case's keys: 2.3 GB
     for t, n in IDX_DECODE:  # alternative tilings timed at two decode shapes and the prefill
-        guarded("index_scores", f"decode T={t} len={n}", indexer_decode_case, cache, t, n, (t, n) in ((1, 524288), (64, 65536)))
+        guarded("index_scores", f"decode T={t} len={n}", indexer_decode_case, cache, t, n, (t, n) in ((1, 524288), (64, 16384), (64, 65536)))
     guarded("index_scores", "prefill", indexer_prefill_case, cache)
     for t in (1, 64):  # decode at 1M context (ratio 2: 512K entries)
         guarded("index_scores", f"reindex T={t}", indexer_reindex_case, cache, t, torch.full((t,), 524288, device="cuda"), t)
