@@ -97,7 +97,8 @@ def _key_scale_bytes(scales_ptr, loc, ok, DK: tl.constexpr):
         word = tl.load(scales_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + loc, mask=ok, other=0)
         sb = step_scale_bytes(word, 0, 128, 8)
     else:
-        sb = tl.load(scales_ptr + loc[:, None] * (DK // 32) + (tl.arange(0, DK // 8) // 4)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        word_block = tl.arange(0, DK // 8) // (IDX_SCALE_BLOCK // 8)
+        sb = tl.load(scales_ptr + loc[:, None] * (DK // IDX_SCALE_BLOCK) + word_block[None, :], mask=ok[:, None], other=0).to(tl.int32)
     return sb
 
 
