@@ -2243,6 +2243,11 @@ def compile_targets() -> list[tuple]:
                              f"{' pair-tiles' if variant['PAIR_TILES'] else ''}{' last-slot' if variant['LAST_SLOT'] else ''}")
                     out.append((label, kernel, dict(types, w_ptr="*u8:16") if variant["FP4"] else types, consts,
                                 {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
+    # the dense prefill path's FP4 dequantisation (rows of whole 128s: words read from their slots)
+    dq4 = {"w_ptr": "*u8:16", "s_ptr": "*u8", "out_ptr": "*bf16:16", "N": i, "K": a, "stride_wn": a, "stride_sn": i, "stride_on": a}
+    for slots in (False, True):
+        out.append((f"dequant_fp4 slots={slots}", fp8_gemm._dequant_fp4_kernel, dq4, {"BLOCK_R": 32, "BLOCK_C": 256, "PTX": True, "SLOTS": slots},
+                    {"num_warps": 8}))
     # gate_up with its rows stacked (gate over up in one accumulator), at the decode tile
     cfg = moe.MOE["rows"][0][1]
     part = cfg["gate_up"]
