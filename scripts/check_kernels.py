@@ -2460,6 +2460,11 @@ def indexer_compile_targets() -> list[tuple]:
                       "INTERPRETED": False}
             label = f"index_scores per_block={per_block} entries={entries} rows={rows}"
             out.append((label, indexer._index_scores_kernel, scores, consts, {"num_warps": cfg["num_warps"]}))
+    # V4-Flash: 64 heads (4 rows stack to N = 256), ratio 4 (64 entries per block: gathered keys)
+    for rows in (1, cfg["ROWS"]):
+        consts = {"ROWS": rows, "PER_BLOCK": 64, "DK": 128, "BLOCK_H": 64, "BLOCK_N": cfg["BLOCK_N"], "HAS_ENTRIES": False,
+                  "CONTIGUOUS": 64 % cfg["BLOCK_N"] == 0, "PTX": True, "FRAGMENT": True, "WARPS": cfg["num_warps"], "INTERPRETED": False}
+        out.append((f"index_scores v4 heads=64 rows={rows}", indexer._index_scores_kernel, scores, consts, {"num_warps": cfg["num_warps"]}))
     block_max = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*fp32", "width": i, "stride_st": i, "stride_ot": i}
     bcfg = indexer.BLOCK_MAX_CONFIG
     out.append(("block_max block=8", indexer._block_max_kernel, block_max, {"BLOCK": 8, "TILE_BLOCKS": bcfg["TILE_BLOCKS"]}, {"num_warps": bcfg["num_warps"]}))
