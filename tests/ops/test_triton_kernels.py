@@ -464,6 +464,27 @@ def _fp4_experts(e: int, d: int, inter: int, g: torch.Generator):
     return (kept[0], s13, kept[1], s2), (fp8[0], s13, fp8[1], s2)
 
 
+@triton.jit
+def _fragment_maps_kernel(out_ptr):
+    p = tl.arange(0, 256)
+    tl.store(out_ptr + p, fp8_gemm.fragment_input(p, 16))
+    tl.store(out_ptr + 256 + p, moe._sigma_inverse(fp8_gemm.fragment_input(p, 16)))
+    tl.store(out_ptr + 512 + p, fp8_gemm.fragment_input(p, 32))
+
+
+def test_fragment_order_has_one_permutation():
+    """The fragment order's homes agree: the input at each dot position (`fragment_input`), x's
+    copy into that order (`moe.fragment_order`), the activations' store (`_sigma_inverse`, its
+    inverse); at 32 inputs a lane (the indexer's FP4 keys) a permutation of every 128."""
+    out = torch.empty(768, dtype=torch.int32, device=DEVICE)
+    _fragment_maps_kernel[(1,)](out)
+    held, back, held32 = out.view(3, 256).long().cpu()
+    x = torch.arange(256, dtype=torch.float32).view(1, 256)
+    assert torch.equal(moe.fragment_order(x)[0].long(), held)
+    assert torch.equal(back, torch.arange(256))
+    assert torch.equal(held32.view(2, 128).sort(1).values, torch.arange(256).view(2, 128))
+
+
 def _fp4_routed_case(seed: int, t: int, top_k: int, n_exp: int, d: int, inter: int):
     """(generator, x, ids, weights on the device, FP4 stacks, their FP8 conversion) of a routed batch."""
     g = _gen(seed)

@@ -331,6 +331,13 @@ def fragment_rows(r, BLOCK_N: tl.constexpr, WARPS: tl.constexpr):
 
 
 @triton.jit
+def fragment_input(p, LANE_INPUTS: tl.constexpr):
+    """The input (in load order) at dot position p of `fragment_dot_order`: the operand it is
+    multiplied with must hold that input at p."""
+    return (p // (4 * LANE_INPUTS)) * (4 * LANE_INPUTS) + LANE_INPUTS * ((p // 2) % 4) + 2 * ((p // 8) % (LANE_INPUTS // 2)) + p % 2
+
+
+@triton.jit
 def fragment_dot_order(w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
                        LANE_INPUTS: tl.constexpr):
     """The dequantised tile w [tile rows, inputs as loaded] as the dot's operand [rows, dot

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import (
-    dequant_fp4_key_words, fragment_dot_order, fragment_rows, halves, num_sms, ptx_convert, step_scale_bytes,
+    dequant_fp4_key_words, fragment_dot_order, fragment_input, fragment_rows, halves, num_sms, ptx_convert, step_scale_bytes,
 )
 
 IDX_SCALE_BLOCK = tl.constexpr(32)  # one ue8m0 byte per 32 channels of an indexer key
@@ -104,14 +104,12 @@ def _key_scale_bytes(scales_ptr, loc, ok, DK: tl.constexpr):
 
 @triton.jit
 def _key_channel(p, FRAGMENT: tl.constexpr):
-    """The channel at dot position p: `dequant_fp4_key_words`' order, and with FRAGMENT
-    `fragment_dot_order`'s relabelling of it (32 channels a lane: p = h + 2q + 8 i0 + 16 i1 +
-    32 u holds position 32q + 8u + 4 i1 + 2 i0 + h, i.e. channel 32q + 8u + i0 + 2 i1 + 4h)."""
+    """The key channel at dot position p: the position in `dequant_fp4_key_words`' order (with
+    FRAGMENT relabelled by `fragment_dot_order`, 32 channels a lane), whose position e holds
+    channel 8 (e // 8) + (e % 8) // 2 + 4 (e % 2)."""
     if FRAGMENT:
-        ch = (p // 128) * 128 + 32 * ((p // 2) % 4) + 8 * ((p // 32) % 4) + (p // 8) % 2 + 2 * ((p // 16) % 2) + 4 * (p % 2)
-    else:
-        ch = (p // 8) * 8 + (p % 8) // 2 + 4 * (p % 2)
-    return ch
+        p = fragment_input(p, 32)
+    return (p // 8) * 8 + (p % 8) // 2 + 4 * (p % 2)
 
 
 @triton.jit

@@ -190,8 +190,9 @@ MOE = {
 
 @triton.jit
 def _sigma_inverse(c):
-    """The dot position of input c inside its block of 64 (`fragment_dot_order`): where the gate_up
-    kernel stores activation channel c for the down kernel."""
+    """The dot position of input c inside its block of 64 (`fragment_dot_order`; the inverse of
+    `fp8_gemm.fragment_input` at 16 inputs a lane): where the gate_up kernel stores activation
+    channel c for the down kernel."""
     return (c // 64) * 64 + c % 2 + 8 * ((c // 2) % 8) + 2 * ((c // 16) % 4)
 
 
