@@ -131,6 +131,13 @@ _FP4_INPUT_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # and input k sits in nibble _FP4_
 FP4_SLOT_INPUTS = 128
 _FP4_SLOT_WORD = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)  # slot m holds word _FP4_SLOT_WORD[m]
 _FP4_WORD_SLOT = tuple(_FP4_SLOT_WORD.index(w) for w in range(16))
+
+
+def fp4_slot_order(cols: int) -> bool:
+    """Whether FP4 rows of `cols` inputs hold their words in slot order (whole 128s)."""
+    return cols % FP4_SLOT_INPUTS == 0
+
+
 # The kernels multiply the bf16 pattern of a code (its value x 2**-126) by 2**(byte - 1), a
 # bf16 below 2**128 for exponent bytes up to 128 (2**1; released experts sit near 2**-8).
 FP4_MAX_SCALE_BYTE = 128
@@ -146,7 +153,7 @@ def fp4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
         raise FormatError(f"FP4 expert rows must hold a multiple of 8 inputs for the kernels' layout, got {cols}")
     nibbles = codes.view(rows, cols // 8, 8)[:, :, list(_FP4_NIBBLE_INPUT)]
     words = (nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)).view(rows, cols // 8, 4)
-    if cols % FP4_SLOT_INPUTS == 0:
+    if fp4_slot_order(cols):
         words = words.view(rows, cols // FP4_SLOT_INPUTS, 16, 4)[:, :, list(_FP4_SLOT_WORD)]
     return words.reshape(rows, cols // 2)
 
@@ -154,7 +161,7 @@ def fp4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
 def fp4_codes_from_kernel_layout(stored: torch.Tensor) -> torch.Tensor:
     """Inverse of `fp4_kernel_layout`: uint8 [rows, cols/2] -> e2m1 codes [rows, cols]."""
     rows, half = stored.shape
-    if (2 * half) % FP4_SLOT_INPUTS == 0:
+    if fp4_slot_order(2 * half):
         stored = stored.view(rows, 2 * half // FP4_SLOT_INPUTS, 16, 4)[:, :, list(_FP4_WORD_SLOT)].reshape(rows, half)
     nibbles = unpack_fp4(stored).view(rows, half // 4, 8)
     return nibbles[:, :, list(_FP4_INPUT_NIBBLE)].reshape(rows, 2 * half)

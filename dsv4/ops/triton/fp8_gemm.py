@@ -846,7 +846,7 @@ def dequant_fp4(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
     block_c = 256
     _dequant_fp4_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_c))](
         w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0), BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device),
-        SLOTS=k % quant.FP4_SLOT_INPUTS == 0, num_warps=8,
+        SLOTS=quant.fp4_slot_order(k), num_warps=8,
     )
     return out
 

@@ -857,9 +857,11 @@ def moe_experts(
     weights = topk_weights.float().contiguous()  # pair p = token * k + slot, as the rows index it
     cfg = moe_config(n_pairs, n_experts, fp8_act)
     bt, gu, dn = cfg["BLOCK_T"], cfg["gate_up"], cfg["down"]
-    if fp4:  # FP4 rows of whole 128s are read in whole slot blocks (`quant.fp4_kernel_layout`)
-        gu = dict(gu, BLOCK_K=quant.FP4_SLOT_INPUTS) if d % quant.FP4_SLOT_INPUTS == 0 else gu
-        dn = dict(dn, BLOCK_K=quant.FP4_SLOT_INPUTS) if inter % quant.FP4_SLOT_INPUTS == 0 else dn
+    gu_slots, dn_slots = fp4 and quant.fp4_slot_order(d), fp4 and quant.fp4_slot_order(inter)
+    # FP4 rows in slot order are read in whole slot blocks (`quant.fp4_kernel_layout`); the
+    # shared expert's FP8 launch takes the same steps (any step of 64 or 128 is exact)
+    gu = dict(gu, BLOCK_K=quant.FP4_SLOT_INPUTS) if gu_slots else gu
+    dn = dict(dn, BLOCK_K=quant.FP4_SLOT_INPUTS) if dn_slots else dn
     for name, part in (("gate_up", gu), ("down", dn)):  # the FP8 kernels run pieces of 32; the bf16 ones whole fragment blocks
         if (part["BLOCK_K"] % SCALE_BLOCK) if fp8_act else part["BLOCK_K"] not in (FRAGMENT_BLOCK, 2 * FRAGMENT_BLOCK):
             want = f"a multiple of {SCALE_BLOCK}" if fp8_act else f"{FRAGMENT_BLOCK} or {2 * FRAGMENT_BLOCK}"
@@ -920,7 +922,7 @@ def moe_experts(
             TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
             WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot,
-            FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and d % quant.FP4_SLOT_INPUTS == 0,
+            FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and gu_slots,
             num_warps=gu["num_warps"], num_stages=gu["num_stages"],
         )
         _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
@@ -930,7 +932,7 @@ def moe_experts(
             WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
             WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
-            FRAGMENT=act_fragment, WARPS=dn["num_warps"], SLOTS=fp4 and inter % quant.FP4_SLOT_INPUTS == 0,
+            FRAGMENT=act_fragment, WARPS=dn["num_warps"], SLOTS=fp4 and dn_slots,
             num_warps=dn["num_warps"], num_stages=dn["num_stages"],
         )
 
