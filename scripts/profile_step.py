@@ -9,6 +9,9 @@ step, with its launch count, its share of the step and the GPU's idle time betwe
 
     python scripts/profile_step.py d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192 --json out.json
 
+`--eager`: also profiles the eager step (`Model.forward` on the unpadded batch, as the bench's
+"eager ms"), kernel by kernel beside the graphs' table: where a graph replay loses to it.
+
 `--torch-ops`: also runs one eager step under a torch dispatch mode and lists the aten ops it
 issues outside the Triton kernels by the dsv4 source line that issued them (the profiler of
 the device's torch records no Python callers): where a step's small torch launches come from.
@@ -96,6 +99,7 @@ def main() -> int:
     p.add_argument("--num-experts", type=int, default=64)
     p.add_argument("--steps", type=int, default=3, help="replays profiled per case")
     p.add_argument("--top", type=int, default=30, help="kernels printed per case")
+    p.add_argument("--eager", action="store_true", help="also profile the eager step (Model.forward, no padding)")
     p.add_argument("--torch-ops", action="store_true", help="also list an eager step's aten ops by source line")
     p.add_argument("--json")
     args = p.parse_args()
@@ -121,6 +125,20 @@ def main() -> int:
               f"kernels {table['kernel_us'] / 1e3:.3f} ms, {sum(k['calls'] for k in table['kernels']):.0f} launches")
         for k in table["kernels"][: args.top]:
             print(f"  {k['us']:9.1f} us {100 * k['us'] / table['kernel_us']:5.1f}% {k['calls']:6.1f}x  {k['name'][:110]}")
+        if args.eager:
+            def eager():
+                with torch.inference_mode():
+                    return model.logits(model.forward(batch, cache))
+
+            eager_times = bench.time_step(eager, device, 2, 5)
+            eager_table = doc[case.name]["eager"] = {"step_ms": statistics.median(eager_times), **kernel_table(eager, args.steps)}
+            graph_us = {k["name"]: k["us"] for k in table["kernels"]}
+            print(f"  eager: step {eager_table['step_ms']:.3f} ms, GPU span {eager_table['span_us'] / 1e3:.3f} ms, kernels "
+                  f"{eager_table['kernel_us'] / 1e3:.3f} ms; kernels by |graph - eager| (us per step):")
+            eager_us = {k["name"]: k["us"] for k in eager_table["kernels"]}
+            gaps = sorted(set(graph_us) | set(eager_us), key=lambda n: -abs(graph_us.get(n, 0.0) - eager_us.get(n, 0.0)))
+            for name in gaps[: args.top]:
+                print(f"  {graph_us.get(name, 0.0):9.1f} graph {eager_us.get(name, 0.0):9.1f} eager  {name[:100]}")
         if args.torch_ops:
             ops = doc[case.name]["torch_ops"] = torch_op_table(model, batch, cache)
             by_line = Counter()

@@ -148,8 +148,12 @@ class DecodeGraphs:
 
 
 # Row-count buckets of the piecewise graphs (each piece on its own): steps of 16 rows up to 256,
-# then 128 up to 2K, 512 up to 8K, 2K up to 32K (a padded step wastes at most ~6-12%).
-ROW_SIZES = tuple(sorted({*range(16, 257, 16), *range(384, 2049, 128), *range(2560, 8193, 512), *range(10240, 32769, 2048)}))
+# then in every doubling from 256 to 32K steps of 1/8 of its start (32 up to 512, 64 up to 1K,
+# ..., 2K up to 32K), so that padding adds at most 1/8 of the rows above 256. The steps used to
+# double only every 4x (128 from 256 to 2K, 512 to 8K): 2049 rows ran as 2560, whose padded
+# pairs also crossed the MoE's dense-path threshold (`layers.moe.DENSE_EXPERT_PAIRS`) — mix
+# 32*1@32768,2048@16384c replayed in 40.4 ms against 36.7 eager (docs/PERF.md, fourteenth session).
+ROW_SIZES = tuple(sorted({*range(16, 257, 16), *(s for lo in (256, 512, 1024, 2048, 4096, 8192, 16384) for s in range(lo, 2 * lo + 1, lo // 8))}))
 REQUEST_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # The fields of a step each piece reads (its `StepBuffer` holds and refills only those).
 ENCODER_FIELDS = ("input_ids", "prev_tokens", "block_tables", "slots", "emit_from", "enc")

@@ -235,6 +235,19 @@ def test_piecewise_plan_and_bad_inputs(fast, ref):
         build_step(_prefill_batch([seq]), eng.model.cfg, 16, "cpu", pad_requests=1, pad_rows=[2], pad_dec_rows=[3])
 
 
+def test_default_row_buckets_pad_at_most_an_eighth():
+    """Every row count up to the largest default bucket has one that adds at most 15 padding
+    rows up to 256 and at most an eighth of the rows above (2049 rows used to run as 2560)."""
+    import bisect
+
+    from dsv4.engine.cuda_graphs import ROW_SIZES
+
+    assert list(ROW_SIZES) == sorted(set(ROW_SIZES)) and ROW_SIZES[-1] == 32768
+    for rows in range(1, ROW_SIZES[-1] + 1):
+        padding = ROW_SIZES[bisect.bisect_left(ROW_SIZES, rows)] - rows
+        assert padding <= (15 if rows <= 256 else rows / 8), rows
+
+
 def test_piecewise_padding_past_the_block_capacity(fast, ref):
     """Padding rows past the block tables' capacity (a 64-row bucket over 2 blocks of 16):
     their positions index no block (the compressor's writes are masked, its block lookup
