@@ -212,6 +212,8 @@ def fp8_linear_case(name: str, m: int, w: torch.Tensor, s: torch.Tensor, wd: tor
         other = "bytes" if fp8_gemm.W8A16["DEQUANT"] == "words" else "words"
         variant(other, {"DEQUANT": other}, fp8_gemm.fp8_linear_w8a16(x, w, s, block))
         variant(f"step={not fp8_gemm.W8A16['STEP']}", {"STEP": not fp8_gemm.W8A16["STEP"]}, fp8_gemm.fp8_linear_w8a16(x, w, s, block))
+        if fp8_gemm.w8a16_fragment(False, block, k, fp8_gemm.w8a16_config(m)["BLOCK_K"]):  # natural K order: other bits
+            variant("fragment=False", {"FRAGMENT": False}, None)
     chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, x.device))
     if m <= 8 and k // (2 * chunks) >= fp8_gemm.CHUNK_ALIGN:  # twice the K chunks (other bits: the chunking is numerics)
         variant(f"{2 * chunks} chunks (default {chunks})", {"CHUNKS": {**fp8_gemm.W8A16["CHUNKS"], (n, k, block): 2 * chunks}}, None)
@@ -2183,12 +2185,14 @@ def compile_targets() -> list[tuple]:
             variants = [(sp, False, True) for sp in (False, True)] if fp8_inputs else [(sp, wo, False) for sp in (False, True) for wo in (False, True)]
             for split, words, a8 in variants:
                 tiles = {k: cfg[k] for k in ("BLOCK_T", "BLOCK_N", "BLOCK_K", "GROUP_T")}
+                fragment = fp8_gemm.w8a16_fragment(a8, block, 5120, cfg["BLOCK_K"])  # (K in whole 128s, as V4.1's are)
                 consts = dict(tiles, QBLOCK=block, PIECE=min(block, 32), SPLIT=split, EVEN_K=True, PTX=True, WORDS=words,
                               LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS,
                               TICKET=split and cfg["BLOCK_T"] <= fp8_gemm.W8A16["TICKET_MAX_T"], A8=a8,
-                              STEP=words and fp8_gemm.W8A16["STEP"] and 128 % cfg["BLOCK_K"] == 0)
+                              STEP=words and fp8_gemm.W8A16["STEP"] and 128 % cfg["BLOCK_K"] == 0, FRAGMENT=fragment,
+                              XREG=fragment and cfg["BLOCK_T"] <= fp8_gemm.W8A16["XREG_MAX_T"], WARPS=cfg["num_warps"])
                 label = (f"w8a16 rows<={max_rows} BT={cfg['BLOCK_T']} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} b={block} split={split} "
-                         f"{'fp8 inputs' if a8 else 'words' if words else 'bytes'}")
+                         f"{'fp8 inputs' if a8 else 'words' if words else 'bytes'}{' fragment' if fragment else ''}")
                 # every row class on wgmma: the batch-invariance contract (fp8_gemm.W8A16)
                 out.append((label, fp8_gemm._w8a16_kernel, w8a8_decode if a8 else w8a16, consts,
                             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, "wgmma"))

@@ -7,8 +7,9 @@ wgmma as its register operand (weight rows as M). That layout and the operand's 
 their warps and lanes, so Triton moves the tile through shared memory (STS + LDSM and barriers)
 — the round trip docs/PERF.md (eighth session) named as the MoE kernels' likely bound.
 This script times one weight-streaming GEMM y = x @ W^T (W FP8 [N, K] with an E8M0 scale per
-32 inputs, x bf16 [T, K], T padded to the row tile) in four forms, each against the torch
-reference of the dequantised weight (the `err` column):
+32 inputs, x bf16 [T, K], T padded to the row tile) in these forms, each against the torch
+reference of the dequantised weight (the `err` column; the two K64 forms were timed in the
+twelfth session and are no longer run):
 
 * `current`: the kernels' form (128-input K steps, the tile through shared memory);
 * `natural K64`: the same with 64-input K steps;
@@ -18,10 +19,13 @@ reference of the dequantised weight (the `err` column):
   wants them; the tile then reaches the operand by register renaming alone (no STS, no LDSM
   in the sm_90 SASS). x must come in the same order: here it is permuted in memory first,
   which in the model would be its producer's job (the gate_up kernel for the down GEMM);
-* `fragment K128`: the same in 128-input steps loaded as two 64-input halves.
+* `fragment K128`: the same in 128-input steps loaded as two 64-input halves;
+* `fragment K128 xreg`: the same with x read in natural order and put in sigma order in
+  registers (reshape + permute before it goes to shared memory as the wgmma's other operand),
+  which would spare the model the permuted copy of x.
 
 Not used by the engine; it decides the next kernel design (results: docs/PERF.md, twelfth
-session). Run on the device: `python scripts/weight_path_experiment.py` (writes
+and fourteenth sessions). Run on the device: `python scripts/weight_path_experiment.py` (writes
 $OUT/weight_path.json)."""
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ def _sigma(kappa):
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, K, stride_x, stride_wn, stride_sn, stride_y,
-                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr):
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr,
+                 XREG: tl.constexpr):
     """y [BLOCK_T, N] = x @ W^T, one program per BLOCK_N weight rows (4 warps), no masks (the
     driver's shapes are whole tiles)."""
     pid_n = tl.program_id(0)
@@ -62,6 +67,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, K, stride_x, stride_wn, stride_sn, 
     for k0 in range(0, K, BLOCK_K):
         s_word = tl.load(s_words + k0 // 128)
         x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])
+        if XREG:  # natural inputs n0 + 2 n1 + 4 n2 + 8 n3 + 16 n45 -> dot position kappa (sigma)
+            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_T, BLOCK_K // 64, 4, 2, 2, 2, 2)), (0, 1, 3, 4, 5, 2, 6)), (BLOCK_T, BLOCK_K))
         if FRAGMENT and BLOCK_K == 128:  # two 64-input halves as the slowest dim (registers)
             kw = k0 // 4 + 16 * tl.arange(0, 2)[:, None, None] + tl.arange(0, 16)[None, None, :]
             w0, w1 = tl.split(tl.permute(tl.load(w_words[None, :, :] + kw), (1, 2, 0)))
@@ -101,16 +108,17 @@ def main() -> int:
             x = torch.zeros(bt, k, device="cuda", dtype=torch.bfloat16)
             x[:t] = torch.randn(t, k, device="cuda").bfloat16()
             ref = x[:t].float() @ dense.T
-            forms = [(name, fragment, bk, bn, st) for bn in (64, 128) for st in (3, 4)
-                     for name, fragment, bk in (("current", False, 128), ("natural K64", False, 64),
-                                                ("fragment K64", True, 64), ("fragment K128", True, 128))]
-            for name, fragment, bk, bn, st in forms:
-                xin = x[:, sigma_order(k, x.device)].contiguous() if fragment else x
+            forms = [(name, fragment, bk, bn, st, xreg) for bn in (64, 128) for st in (3, 4)
+                     for name, fragment, bk, xreg in (("current", False, 128, False), ("fragment K128", True, 128, False),
+                                                      ("fragment K128 xreg", True, 128, True))]
+            for name, fragment, bk, bn, st, xreg in forms:
+                xin = x[:, sigma_order(k, x.device)].contiguous() if fragment and not xreg else x
                 y = torch.empty(bt, n, device="cuda", dtype=torch.bfloat16)
 
                 def call():
                     _gemm_kernel[(n // bn,)](xin, w, s, y, k, xin.stride(0), w.stride(0), s.stride(0), y.stride(0),
-                                             BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, FRAGMENT=fragment, num_warps=4, num_stages=st)
+                                             BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, FRAGMENT=fragment, XREG=xreg,
+                                             num_warps=4, num_stages=st)
                 rec = dict(N=n, K=k, T=t, form=name, BLOCK_N=bn, stages=st)
                 try:
                     call()

@@ -127,7 +127,7 @@ _FP4_INPUT_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # and input k sits in nibble _FP4_
 # words] tile then brings it inputs 16q .. 16q + 15 of both 64-input halves — the lane layout
 # of the FP8 words' fragment order (`fp8_gemm.fragment_dot_order`), so FP4 stacks multiply in
 # the FP8 stacks' order without a shared-memory round trip, and keep their bits
-# (`moe._step_tile`, `fp8_gemm.fp4_slot_words`).
+# (`fp8_gemm.step_tile`, `fp8_gemm.fp4_slot_words`).
 FP4_SLOT_INPUTS = 128
 _FP4_SLOT_WORD = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)  # slot m holds word _FP4_SLOT_WORD[m]
 _FP4_WORD_SLOT = tuple(_FP4_SLOT_WORD.index(w) for w in range(16))

@@ -136,7 +136,8 @@ def test_fp8_linear_w8a16_grouped_is_each_group_on_its_inputs(m):
         (1, 70, 100, 32),  # decode row, partial N and K tiles
         (20, 64, 96, 32),  # row tile 32, partial M, K step past K
         (5, 50, 300, 128),  # V4 block: one scale per 128-wide step
-        (40, 64, 640, 32),  # row tile 64, split-K over two chunks
+        (3, 64, 256, 32),  # fragment order, x put in it in registers (row tile 16)
+        (40, 64, 640, 32),  # row tile 64, split-K over two chunks (fragment order, x copied into it)
         (70, 130, 64, 16),  # row tile 128, block 16 (pieces of 16 inputs)
         (130, 40, 384, 128),  # two row tiles of 128, block wider than the K step
         (6, 64, 640, 256),  # split-K, a chunk end inside a scale block
@@ -365,7 +366,7 @@ def test_fp8_linear_w8a16_bits_do_not_depend_on_tiles(monkeypatch, block, chunks
     monkeypatch.setitem(fp8_gemm.W8A16, "CHUNKS", {(96, 512, block): chunks})  # else sized by the first class's BLOCK_N
     base = fp8_gemm.fp8_linear_w8a16(x, w, s, block)
     tilings = [
-        {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_T": 1, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 32 if block > 32 else 64, "GROUP_T": 1, "num_warps": 4, "num_stages": 2},
         {"BLOCK_T": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_T": 2, "num_warps": 4, "num_stages": 3},
         {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 8, "num_stages": 4},
         {"BLOCK_T": 256, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_T": 1, "num_warps": 4, "num_stages": 2},
@@ -470,17 +471,20 @@ def _fragment_maps_kernel(out_ptr):
     tl.store(out_ptr + p, fp8_gemm.fragment_input(p, 16))
     tl.store(out_ptr + 256 + p, moe._sigma_inverse(fp8_gemm.fragment_input(p, 16)))
     tl.store(out_ptr + 512 + p, fp8_gemm.fragment_input(p, 32))
+    tl.store(out_ptr + 768 + p[None, :], fp8_gemm.fragment_order_tile(p[None, :]))
 
 
 def test_fragment_order_has_one_permutation():
     """The fragment order's homes agree: the input at each dot position (`fragment_input`), x's
-    copy into that order (`moe.fragment_order`), the activations' store (`_sigma_inverse`, its
-    inverse); at 32 inputs a lane (the indexer's FP4 keys) a permutation of every 128."""
-    out = torch.empty(768, dtype=torch.int32, device=DEVICE)
+    copy into that order (`fp8_gemm.fragment_order`), the activations' store (`_sigma_inverse`, its
+    inverse), a tile's relabelling in registers (`fragment_order_tile`, the dense GEMM's small
+    tiles); at 32 inputs a lane (the indexer's FP4 keys) a permutation of every 128."""
+    out = torch.empty(1024, dtype=torch.int32, device=DEVICE)
     _fragment_maps_kernel[(1,)](out)
-    held, back, held32 = out.view(3, 256).long().cpu()
+    held, back, held32, tile = out.view(4, 256).long().cpu()
     x = torch.arange(256, dtype=torch.float32).view(1, 256)
-    assert torch.equal(moe.fragment_order(x)[0].long(), held)
+    assert torch.equal(fp8_gemm.fragment_order(x)[0].long(), held)
+    assert torch.equal(tile, held)
     assert torch.equal(back, torch.arange(256))
     assert torch.equal(held32.view(2, 128).sort(1).values, torch.arange(256).view(2, 128))
 

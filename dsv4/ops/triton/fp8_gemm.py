@@ -355,6 +355,88 @@ def fragment_dot_order(w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT
     return w
 
 
+_SCALE_PIECE = tl.constexpr(32)  # inputs per E8M0 scale of row-scaled weights (experts; V4.1's 32 x 32 tiles)
+
+
+@triton.jit
+def step_tile(w_rows, scales, scale_word, n_ok, k0, K, BLOCK_K: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
+              PTX: tl.constexpr, HALVES: tl.constexpr, SLOTS: tl.constexpr):
+    """bf16 [R, BLOCK_K]: the weights of the K step at k0 (inputs in input order) of the rows
+    w_rows ([R, 1] pointers; `scales` [R] their first scale bytes, one per 32 inputs: the
+    experts' row scales, or a dense weight's 32 x 32 tiles), dequantised exactly.
+    FP4: int32 words of 8 codes (`quant.fp4_kernel_layout`; SLOTS: rows of whole 128s, read
+    in whole 128-input steps and relabelled from slot order), the scale of each word from the
+    rows' scale word (WORDS) or loaded. Else FP8: WORDS, int32 words of 4 codes with the
+    scales from the rows' scale word (`moe.MOE["DEQUANT"]`, `W8A16["DEQUANT"]`; HALVES: a 128-input step loaded as two
+    64-input halves, so that each half has the lane layout `fragment_dot_order` relies on); or bytes
+    with a scale per 32 inputs. Steps past K read zero codes."""
+    if FP4:  # (rows of whole 128s: whole slot blocks, put in input order by relabelling)
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_rows.to(tl.pointer_type(tl.int32), bitcast=True) + kw[None, :], mask=n_ok[:, None] & (kw < K // 8)[None, :], other=0)
+        if SLOTS:
+            words = fp4_slot_words(words)
+        if WORDS:
+            sb = step_scale_bytes(scale_word, k0, BLOCK_K, 8)
+        else:
+            sb = tl.load(scales[:, None] + tl.minimum(kw // 4, K // _SCALE_PIECE - 1)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        w = dequant_fp4_words(words, sb, PTX)
+    elif WORDS:  # (K a multiple of 128: whole steps, no masks on the inputs)
+        words_ptr = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        if HALVES:
+            kw = k0 // 4 + 16 * tl.arange(0, 2)[:, None, None] + tl.arange(0, 16)[None, None, :]
+            lo, hi = tl.split(tl.permute(tl.load(words_ptr[None, :, :] + kw, mask=n_ok[None, :, None], other=0), (1, 2, 0)))
+            w = tl.join(dequant_word_step(lo, scale_word, k0, 64), dequant_word_step(hi, scale_word, k0 + 64, 64))
+            w = tl.reshape(tl.permute(w, (0, 2, 1)), (w.shape[0], BLOCK_K))
+        else:
+            w = dequant_word_step(tl.load(words_ptr + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :], mask=n_ok[:, None], other=0),
+                                  scale_word, k0, BLOCK_K)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        codes = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        kb = tl.minimum(k0 // _SCALE_PIECE + tl.arange(0, BLOCK_K // _SCALE_PIECE), K // _SCALE_PIECE - 1)  # (a piece past K: any scale)
+        sb = tl.load(scales[:, None] + kb[None, :], mask=n_ok[:, None], other=0)
+        pieces = dequant_rows(tl.reshape(codes, (codes.shape[0] * (BLOCK_K // _SCALE_PIECE), _SCALE_PIECE)), tl.reshape(sb, (codes.shape[0] * (BLOCK_K // _SCALE_PIECE),)), PTX)
+        w = tl.reshape(pieces, (codes.shape[0], BLOCK_K))
+    return w
+
+
+@triton.jit
+def step_dot(w, x, acc, PIECES: tl.constexpr):
+    """acc + w @ x^T over one K step (64 or 128 dot positions): one dot (compiled: one wgmma
+    chain of k16 steps), or with PIECES (the interpreter) one dot per 32 positions in order, so
+    that numpy's sums, whose order follows the operands' shapes, do not depend on the tile."""
+    if PIECES:
+        w0, w1 = halves(w)
+        x0, x1 = halves(x)
+        if w.shape[1] == 128:
+            w00, w01 = halves(w0)
+            w10, w11 = halves(w1)
+            x00, x01 = halves(x0)
+            x10, x11 = halves(x1)
+            acc = tl.dot(w11, tl.trans(x11), tl.dot(w10, tl.trans(x10), tl.dot(w01, tl.trans(x01), tl.dot(w00, tl.trans(x00), acc))))
+        else:
+            acc = tl.dot(w1, tl.trans(x1), tl.dot(w0, tl.trans(x0), acc))
+    else:
+        acc = tl.dot(w, tl.trans(x), acc)
+    return acc
+
+
+@triton.jit
+def fragment_order_tile(x):
+    """x [T, C] (C a multiple of 64, inputs in input order) in fragment order, in registers:
+    `fragment_order` of one tile (a relabelling of registers, then the shared-memory store
+    that the dot's other operand takes anyway)."""
+    return tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], x.shape[1] // 64, 4, 2, 2, 2, 2)), (0, 1, 3, 4, 5, 2, 6)), (x.shape[0], x.shape[1]))
+
+
+def fragment_order(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (K a multiple of 64) with every block of 64 inputs in fragment order: position
+    kappa = n0 + 2 n45 + 8 n1 + 16 n2 + 32 n3 holds input n0 + 2 n1 + 4 n2 + 8 n3 + 16 n45
+    (`fragment_dot_order`). One copy: the gate_up kernel then loads x's K steps as they lie."""
+    t, k = x.shape
+    return x.view(t, k // 64, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(t, k)
+
+
 # Knobs of the weight-only kernel (scripts/check_kernels.py's `gemm_sweep` section times
 # alternatives on the device and prints the best per shape).
 #
@@ -447,6 +529,13 @@ W8A16 = {
     # 20.4, wo_b 28.0 -> 23.5, shared.w2 12.8 -> 10.9; M=256 wq_b 93.4 -> 86.5, V4's wq_b 74.4
     # -> 65.8; of 40 cases at M <= 256 slower in 3 (wq_b at M=64 30.6 -> 33.3, 9%)
     "STEP": True,
+    # fragment order (`_w8a16_kernel` FRAGMENT; scripts/weight_path_experiment.py, docs/PERF.md
+    # twelfth and fourteenth sessions): one weight-streaming GEMM 10-30% faster at 1-64 rows.
+    # Up to XREG_MAX_T rows a tile (the first class) x is put in that order in registers (as
+    # fast as a permuted copy at 1-16 rows, and no copy launch); wider tiles read a copy
+    # (`fragment_order`: in registers at 64 rows the GEMM lost 10-60%)
+    "FRAGMENT": True,
+    "XREG_MAX_T": 16,
     # split calls whose row tile is at most this many rows add their chunk partials in the
     # tile's last program (a ticket); wider tiles store them and `sum_chunks` adds them, spread
     # over many programs — the last program alone reading every chunk of a 128 x 128 tile was a
@@ -476,6 +565,7 @@ def _w8a16_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, WORDS: tl.constexpr,
     LOADS: tl.constexpr, ROWS: tl.constexpr, TICKET: tl.constexpr, A8: tl.constexpr, STEP: tl.constexpr,
+    FRAGMENT: tl.constexpr, XREG: tl.constexpr, WARPS: tl.constexpr,
 ):
     """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
     by K chunk (the weight rows as the wgmma's M; see the knobs above).
@@ -498,7 +588,15 @@ def _w8a16_kernel(
 
     STEP (WORDS; `W8A16["STEP"]`): each K step is dequantised as one tile and multiplied by one
     dot (`dequant_word_step`; QBLOCK 32 reads the scales as int32 words of four blocks) — the
-    same wgmma chain as piece by piece, so the same bits."""
+    same wgmma chain as piece by piece, so the same bits.
+
+    FRAGMENT (`W8A16["FRAGMENT"]`; 32 x 32 tiles, K in whole 128s): the MoE kernels' fragment
+    order (`moe.MOE`): tile row r loads weight row `fragment_rows(r)`, each K step is
+    dequantised whole (`step_tile`: words, or bytes) and enters the dot in `fragment_dot_order`,
+    so that it reaches the wgmma's register operand without a shared-memory round trip; x
+    comes in the same order, copied so by the caller (`fragment_order`) or, XREG, put so in
+    registers (`fragment_order_tile`). A K order of its own (other bits than without it), the
+    same for every row class, tile and weight read, so rows stay batch invariant."""
     pid = tl.program_id(0)
     tiles_t = tl.cdiv(M, BLOCK_T)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -516,8 +614,13 @@ def _w8a16_kernel(
     # (GROUP_ROWS weight rows per group): the tile's group reads its own K inputs of x.
     x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_xm + (pid_n * BLOCK_N // GROUP_ROWS) * K
     xs_rows = xs_ptr + rt.to(tl.int64) * stride_xsm + (pid_n * BLOCK_N // GROUP_ROWS) * tl.cdiv(K, PIECE)  # (A8)
-    w_rows = w_ptr + rn[:, None] * stride_wn
-    s_rows = s_ptr + (rn // QBLOCK) * stride_sn
+    if FRAGMENT:  # the weight row each tile row loads (the accumulator's rows come back in order)
+        rw = pid_n * BLOCK_N + fragment_rows(tl.arange(0, BLOCK_N), BLOCK_N, WARPS)
+    else:
+        rw = rn
+    w_ok = rw < N
+    w_rows = w_ptr + rw[:, None] * stride_wn
+    s_rows = s_ptr + (rw // QBLOCK) * stride_sn
     if SPLIT:
         k_lo = tl.program_id(1) * CHUNK_K
         k_hi = tl.minimum(k_lo + CHUNK_K, K)
@@ -532,7 +635,14 @@ def _w8a16_kernel(
     total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     chunk_end = k_lo + CHUNK_K
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if STEP:
+        if FRAGMENT:
+            x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=t_ok[:, None], other=0.0)
+            if XREG:
+                x = fragment_order_tile(x)
+            s_word = tl.load(s_words + k0 // 128, mask=w_ok, other=0) if WORDS else 0
+            w = step_tile(w_rows, s_rows, s_word, w_ok, k0, K, BLOCK_K, False, WORDS, PTX, BLOCK_K == 128, False)
+            acc = step_dot(fragment_dot_order(w, BLOCK_N, BLOCK_K, True, WARPS, 16), x, acc, not PTX)
+        elif STEP:
             x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=t_ok[:, None], other=0.0)
             w = tl.load(w_words + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :], mask=n_ok[:, None], other=0)
             if QBLOCK == 32:
@@ -540,7 +650,7 @@ def _w8a16_kernel(
             else:  # one scale for the step
                 w = dequant_words(w, tl.load(s_rows + k0 // QBLOCK, mask=n_ok, other=0).to(tl.int32))
             acc = tl.dot(w, tl.trans(x), acc)
-        for j in tl.static_range(0 if STEP else BLOCK_K // PIECE):
+        for j in tl.static_range(0 if STEP or FRAGMENT else BLOCK_K // PIECE):
             k = k0 + j * PIECE + rp
             if EVEN_K:
                 x = tl.load(x_rows + k[None, :], mask=t_ok[:, None], other=0.0)
@@ -654,12 +764,26 @@ def w8a16_words(ptx: bool, w: torch.Tensor, even_k: bool) -> bool:
     return W8A16["DEQUANT"] == "words" and ptx and even_k and w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0
 
 
+def _scale_words(w_scale: torch.Tensor) -> bool:
+    """Whether 32 x 32 tile scales read as int32 words of four (aligned, rows in whole 128 inputs)."""
+    return w_scale.data_ptr() % 4 == 0 and w_scale.stride(0) % 4 == 0 and w_scale.shape[1] % 4 == 0
+
+
 def w8a16_step(w_scale: torch.Tensor, block: int, block_k: int) -> bool:
     """Whether a "words" call dequantises whole K steps (`W8A16["STEP"]`): 128-blocks, or
-    32-blocks whose scale rows read as int32 words of four (aligned, in whole 128 inputs),
-    and K steps inside one 128-input word."""
-    words = w_scale.data_ptr() % 4 == 0 and w_scale.stride(0) % 4 == 0 and w_scale.shape[1] % 4 == 0
-    return W8A16["STEP"] and 128 % block_k == 0 and (block == 128 or (block == 32 and words))
+    32-blocks whose scale rows read as int32 words of four, and K steps inside one 128-input
+    word."""
+    return W8A16["STEP"] and 128 % block_k == 0 and (block == 128 or (block == 32 and _scale_words(w_scale)))
+
+
+def w8a16_fragment(fp8_inputs: bool, block: int, k: int, block_k: int) -> bool:
+    """Whether a call multiplies in fragment order (`W8A16["FRAGMENT"]`): bf16 inputs, 32 x 32
+    tiles (the row scales `step_tile` reads), K in whole 128s — a weight's K order must not
+    follow the call's rows or tile, so a K step other than 64 or 128 there is an error."""
+    fragment = W8A16["FRAGMENT"] and not fp8_inputs and block == 32 and k % 128 == 0
+    if fragment and block_k not in (64, 128):
+        raise ValueError(f"fp8_linear_w8a16: fragment order (W8A16['FRAGMENT']) multiplies K steps of 64 or 128 inputs, got BLOCK_K {block_k}")
+    return fragment
 
 
 def _tile_counters(device: torch.device, split: bool) -> torch.Tensor:
@@ -728,13 +852,19 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
     part = torch.empty(chunks if split else 0, m, n, dtype=torch.float32, device=x.device)
     ptx = ptx_convert(x.device)
     words = not a8 and w8a16_words(ptx, w, k % bk == 0)
+    fragment = w8a16_fragment(a8, block, k, bk)
+    xreg = fragment and bt <= W8A16["XREG_MAX_T"]
+    if fragment:
+        words = words and _scale_words(w_scale)
+        if not xreg:
+            x2 = fragment_order(x2)
     _w8a16_kernel[(tiles, chunks if split else 1)](
         x2, x_scale if a8 else x2, w, w_scale, out, part, _tile_counters(x.device, ticket), m, n, k, chunk_k, n // groups,
         x2.stride(0), x_scale.stride(0) if a8 else 0, w.stride(0), w_scale.stride(0), out.stride(0),
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
         SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=words,
         LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, TICKET=ticket, A8=a8, STEP=words and w8a16_step(w_scale, block, bk),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FRAGMENT=fragment, XREG=xreg, WARPS=cfg["num_warps"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split and not ticket:
         sum_chunks(part, out)

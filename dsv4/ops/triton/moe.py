@@ -57,8 +57,8 @@ import triton.language as tl
 
 from dsv4.model import quant
 from dsv4.ops.triton.fp8_gemm import (
-    dequant_fp4, dequant_fp4_words, dequant_fp8, dequant_rows, dequant_word_step, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant,
-    fp4_slot_words, fp8_quantise, fragment_dot_order, fragment_rows, halves, ptx_convert, step_scale_bytes, wgmma_tile_error,
+    dequant_fp4, dequant_fp8, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, fp8_quantise, fragment_dot_order, fragment_order,
+    fragment_rows, ptx_convert, step_dot, step_tile, wgmma_tile_error,
 )
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
@@ -84,7 +84,7 @@ _LANE_INPUTS = tl.constexpr(FRAGMENT_BLOCK // 4)
 #   False): its BLOCK_N rows are BLOCK_N / 2 gate rows over their up rows in one accumulator
 #   (twice the programs, each with half the work: decode's few row tiles leave SMs idle).
 #   Each K step is dequantised as one tile and multiplied by one dot (the interpreter: one dot
-#   per 32 inputs, `_step_dot`): on sm_90 one wgmma chain of k16 steps in the same order
+#   per 32 inputs, `fp8_gemm.step_dot`): on sm_90 one wgmma chain of k16 steps in the same order
 #   whatever BLOCK_K, BLOCK_N, BLOCK_T or STACK, so a row's bits depend on none of these knobs.
 # Fragment order (inputs a multiple of 64; not a knob: it is part of the numerics): inside
 #   every block of 64 inputs the dot runs over them in the order `fragment_dot_order` gives, which is
@@ -92,7 +92,7 @@ _LANE_INPUTS = tl.constexpr(FRAGMENT_BLOCK // 4)
 #   pairs the wgmma register operand wants of it (with the tile's rows taken in
 #   `fragment_rows` order), so the dequantised tile reaches the operand without the
 #   shared-memory round trip (STS, LDSM and their barriers) that natural order needs — the
-#   L1/TEX traffic the eighth session's ncu found bounding these kernels. x (`fragment_order`,
+#   L1/TEX traffic the eighth session's ncu found bounding these kernels. x (`fp8_gemm.fragment_order`,
 #   one copy) and the activations (stored so by gate_up) come in the same order. Measured
 #   (docs/PERF.md twelfth session): a weight-streaming GEMM alone 10-32% faster at 1-64
 #   tokens (scripts/weight_path_experiment.py), the MoE kernels 8-12% at T = 1 .. 256. FP4
@@ -194,68 +194,6 @@ def _sigma_inverse(c):
     `fp8_gemm.fragment_input` at 16 inputs a lane): where the gate_up kernel stores activation
     channel c for the down kernel."""
     return (c // 64) * 64 + c % 2 + 8 * ((c // 2) % 8) + 2 * ((c // 16) % 4)
-
-
-@triton.jit
-def _step_tile(w_rows, scales, scale_word, n_ok, k0, K, BLOCK_K: tl.constexpr, FP4: tl.constexpr, WORDS: tl.constexpr,
-               PTX: tl.constexpr, HALVES: tl.constexpr, SLOTS: tl.constexpr):
-    """bf16 [R, BLOCK_K]: the weights of the K step at k0 (inputs in input order) of the rows
-    w_rows ([R, 1] pointers; `scales` [R] their first scale bytes), dequantised exactly.
-    FP4: int32 words of 8 codes (`quant.fp4_kernel_layout`; SLOTS: rows of whole 128s, read
-    in whole 128-input steps and relabelled from slot order), the scale of each word from the
-    rows' scale word (WORDS) or loaded. Else FP8: WORDS, int32 words of 4 codes with the
-    scales from the rows' scale word (`MOE["DEQUANT"]`; HALVES: a 128-input step loaded as two
-    64-input halves, so that each half has the lane layout `fragment_dot_order` relies on); or bytes
-    with a scale per 32 inputs. Steps past K read zero codes."""
-    if FP4:  # (rows of whole 128s: whole slot blocks, put in input order by relabelling)
-        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_rows.to(tl.pointer_type(tl.int32), bitcast=True) + kw[None, :], mask=n_ok[:, None] & (kw < K // 8)[None, :], other=0)
-        if SLOTS:
-            words = fp4_slot_words(words)
-        if WORDS:
-            sb = step_scale_bytes(scale_word, k0, BLOCK_K, 8)
-        else:
-            sb = tl.load(scales[:, None] + tl.minimum(kw // 4, K // _PIECE - 1)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-        w = dequant_fp4_words(words, sb, PTX)
-    elif WORDS:  # (K a multiple of 128: whole steps, no masks on the inputs)
-        words_ptr = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)
-        if HALVES:
-            kw = k0 // 4 + 16 * tl.arange(0, 2)[:, None, None] + tl.arange(0, 16)[None, None, :]
-            lo, hi = tl.split(tl.permute(tl.load(words_ptr[None, :, :] + kw, mask=n_ok[None, :, None], other=0), (1, 2, 0)))
-            w = tl.join(dequant_word_step(lo, scale_word, k0, 64), dequant_word_step(hi, scale_word, k0 + 64, 64))
-            w = tl.reshape(tl.permute(w, (0, 2, 1)), (w.shape[0], BLOCK_K))
-        else:
-            w = dequant_word_step(tl.load(words_ptr + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :], mask=n_ok[:, None], other=0),
-                                  scale_word, k0, BLOCK_K)
-    else:
-        k = k0 + tl.arange(0, BLOCK_K)
-        codes = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        kb = tl.minimum(k0 // _PIECE + tl.arange(0, BLOCK_K // _PIECE), K // _PIECE - 1)  # (a piece past K: any scale)
-        sb = tl.load(scales[:, None] + kb[None, :], mask=n_ok[:, None], other=0)
-        pieces = dequant_rows(tl.reshape(codes, (codes.shape[0] * (BLOCK_K // _PIECE), _PIECE)), tl.reshape(sb, (codes.shape[0] * (BLOCK_K // _PIECE),)), PTX)
-        w = tl.reshape(pieces, (codes.shape[0], BLOCK_K))
-    return w
-
-
-@triton.jit
-def _step_dot(w, x, acc, PIECES: tl.constexpr):
-    """acc + w @ x^T over one K step (64 or 128 dot positions): one dot (compiled: one wgmma
-    chain of k16 steps), or with PIECES (the interpreter) one dot per 32 positions in order, so
-    that numpy's sums, whose order follows the operands' shapes, do not depend on the tile."""
-    if PIECES:
-        w0, w1 = halves(w)
-        x0, x1 = halves(x)
-        if w.shape[1] == 128:
-            w00, w01 = halves(w0)
-            w10, w11 = halves(w1)
-            x00, x01 = halves(x0)
-            x10, x11 = halves(x1)
-            acc = tl.dot(w11, tl.trans(x11), tl.dot(w10, tl.trans(x10), tl.dot(w01, tl.trans(x01), tl.dot(w00, tl.trans(x00), acc))))
-        else:
-            acc = tl.dot(w1, tl.trans(x1), tl.dot(w0, tl.trans(x0), acc))
-    else:
-        acc = tl.dot(w, tl.trans(x), acc)
-    return acc
 
 
 @triton.jit(do_not_specialize=["n_pairs", "n_experts", "n_tiles"])
@@ -392,11 +330,11 @@ def _gate_up_kernel(
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
     transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`), one
-    dequantised K step (`_step_tile`: WORDS, FP4) and one dot per iteration.
+    dequantised K step (`fp8_gemm.step_tile`: WORDS, FP4) and one dot per iteration.
     STACK: the program's BLOCK_N weight rows are BLOCK_N / 2 gate rows over the same up rows,
     one accumulator split in two for the SwiGLU (half the work per program, twice the
     programs); else BLOCK_N gate rows and BLOCK_N up rows in two accumulators.
-    FRAGMENT: x holds its inputs in fragment order (`fragment_order`) and the weights enter the
+    FRAGMENT: x holds its inputs in fragment order (`fp8_gemm.fragment_order`) and the weights enter the
     dot in it (`fragment_dot_order`); ACT_FRAGMENT: the activations are stored in fragment order, as
     the down kernel reads them. LAST_SLOT: see `_tile_pairs`."""
     pid_t = tl.program_id(0)
@@ -433,11 +371,11 @@ def _gate_up_kernel(
                 su_word = tl.load(up_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=valid[:, None] if EVEN_K else valid[:, None] & (k < D)[None, :], other=0.0)
-        wg = _step_tile(gate_rows, gate_scales, sg_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
-        acc_gate = _step_dot(fragment_dot_order(wg, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_gate, not PTX)
+        wg = step_tile(gate_rows, gate_scales, sg_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
+        acc_gate = step_dot(fragment_dot_order(wg, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_gate, not PTX)
         if not STACK:
-            wu = _step_tile(up_rows, up_scales, su_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
-            acc_up = _step_dot(fragment_dot_order(wu, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_up, not PTX)
+            wu = step_tile(up_rows, up_scales, su_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
+            acc_up = step_dot(fragment_dot_order(wu, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_up, not PTX)
     gate, up = _gate_up_split(acc_gate, acc_up, BLOCK_N, BLOCK_T, STACK)
     rn = pid_n * (BLOCK_N // 2 if STACK else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if STACK else BLOCK_N)  # one channel per gate row
     n_ok = rn < I
@@ -484,8 +422,8 @@ def _down_kernel(
             s_word = tl.load(s_words + k0 // (4 * _PIECE), mask=n_ok, other=0)
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + k[None, :], mask=valid[:, None] if EVEN_K else valid[:, None] & (k < I)[None, :], other=0.0)
-        w = _step_tile(w_rows, scales, s_word if WORDS else 0, n_ok, k0, I, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
-        acc = _step_dot(fragment_dot_order(w, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), a, acc, not PTX)
+        w = step_tile(w_rows, scales, s_word if WORDS else 0, n_ok, k0, I, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
+        acc = step_dot(fragment_dot_order(w, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), a, acc, not PTX)
     y = acc.to(tl.bfloat16)
     if not WEIGHT_BEFORE_DOWN:
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
@@ -802,14 +740,6 @@ def _dense_stack(w: torch.Tensor, scale: torch.Tensor, shared: tuple | None) -> 
     if shared is not None:
         out[e:] = dequant_fp8(shared[0].view(-1, inputs), shared[1].reshape(-1, inputs // SCALE_BLOCK), 0, True).view(1, rows, inputs)
     return out
-
-
-def fragment_order(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] (K a multiple of 64) with every block of 64 inputs in fragment order: position
-    kappa = n0 + 2 n45 + 8 n1 + 16 n2 + 32 n3 holds input n0 + 2 n1 + 4 n2 + 8 n3 + 16 n45
-    (`fragment_dot_order`). One copy: the gate_up kernel then loads x's K steps as they lie."""
-    t, k = x.shape
-    return x.view(t, k // FRAGMENT_BLOCK, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(t, k)
 
 
 def _words(ptx: bool, w: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
