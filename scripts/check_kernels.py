@@ -2241,7 +2241,8 @@ def compile_targets() -> list[tuple]:
                               "BLOCK_K": 128 if variant["FP4"] else part["BLOCK_K"], "EVEN_K": True, "PTX": True,
                               "FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": variant["FP4"], **variant}
                     if name == "gate_up":
-                        consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False), ACT_FRAGMENT=True)
+                        consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False), ACT_FRAGMENT=True,
+                                      XREG=cfg["BLOCK_T"] <= moe.MOE["XREG_MAX_T"])
                     dequant = ("fp4 " if variant["FP4"] else "") + ("words" if variant["WORDS"] else "bytes")
                     label = (f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={consts['BLOCK_K']} before={before} {dequant}"
                              f"{' pair-tiles' if variant['PAIR_TILES'] else ''}{' last-slot' if variant['LAST_SLOT'] else ''}")
@@ -2258,7 +2259,7 @@ def compile_targets() -> list[tuple]:
     for pair_tiles in (False, True):
         consts = {"WEIGHT_BEFORE_DOWN": True, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
                   "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True, "FP4": False, "LAST_SLOT": 0,
-                  "FRAGMENT": True, "ACT_FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": False}
+                  "FRAGMENT": True, "ACT_FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": False, "XREG": cfg["BLOCK_T"] <= moe.MOE["XREG_MAX_T"]}
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
         out.append((label, moe._gate_up_kernel, gate_up, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
     # the FP8-activation kernels (fp8_act), every row class

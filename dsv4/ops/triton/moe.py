@@ -58,7 +58,7 @@ import triton.language as tl
 from dsv4.model import quant
 from dsv4.ops.triton.fp8_gemm import (
     dequant_fp4, dequant_fp8, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, fp8_quantise, fragment_dot_order, fragment_order,
-    fragment_rows, ptx_convert, step_dot, step_tile, wgmma_tile_error,
+    fragment_order_tile, fragment_rows, ptx_convert, step_dot, step_tile, wgmma_tile_error,
 )
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
@@ -178,6 +178,10 @@ MOE = {
                 "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "STACK": True},
                 "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}),
     ),
+    # row tiles of up to this many pairs put x in fragment order in registers (as the dense
+    # projections' first class, `fp8_gemm.W8A16["XREG_MAX_T"]`), sparing decode the copy
+    # launch (`fragment_order`) in front of every layer's MoE; wider tiles read the copy
+    "XREG_MAX_T": 16,
     "ALIGN_MAX_PAIRS": 4096,
     "PAIR_TILES_MAX_PAIRS": 8,
     "DEQUANT": "words",
@@ -326,7 +330,7 @@ def _gate_up_kernel(
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
-    FRAGMENT: tl.constexpr, ACT_FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr,
+    FRAGMENT: tl.constexpr, ACT_FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr, XREG: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
     transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`), one
@@ -334,8 +338,9 @@ def _gate_up_kernel(
     STACK: the program's BLOCK_N weight rows are BLOCK_N / 2 gate rows over the same up rows,
     one accumulator split in two for the SwiGLU (half the work per program, twice the
     programs); else BLOCK_N gate rows and BLOCK_N up rows in two accumulators.
-    FRAGMENT: x holds its inputs in fragment order (`fp8_gemm.fragment_order`) and the weights enter the
-    dot in it (`fragment_dot_order`); ACT_FRAGMENT: the activations are stored in fragment order, as
+    FRAGMENT: x holds its inputs in fragment order (`fp8_gemm.fragment_order`; XREG: x is in
+    input order and each tile is put in fragment order in registers, `fragment_order_tile`) and
+    the weights enter the dot in it (`fragment_dot_order`); ACT_FRAGMENT: the activations are stored in fragment order, as
     the down kernel reads them. LAST_SLOT: see `_tile_pairs`."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -371,6 +376,8 @@ def _gate_up_kernel(
                 su_word = tl.load(up_swords + k0 // (4 * _PIECE), mask=n_ok, other=0)
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=valid[:, None] if EVEN_K else valid[:, None] & (k < D)[None, :], other=0.0)
+        if XREG:
+            x = fragment_order_tile(x)
         wg = step_tile(gate_rows, gate_scales, sg_word if WORDS else 0, n_ok, k0, D, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
         acc_gate = step_dot(fragment_dot_order(wg, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_gate, not PTX)
         if not STACK:
@@ -836,7 +843,8 @@ def moe_experts(
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     ptx = ptx_convert(x.device)
     x_fragment, act_fragment = d % FRAGMENT_BLOCK == 0, inter % FRAGMENT_BLOCK == 0
-    if x_fragment:
+    x_reg = x_fragment and bt <= MOE["XREG_MAX_T"]
+    if x_fragment and not x_reg:
         x = fragment_order(x)
 
     def launch(w13, w13_scale, w2, w2_scale, fp4: bool, experts: int, last_slot: int) -> None:
@@ -852,7 +860,7 @@ def moe_experts(
             TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
             WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot,
-            FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and gu_slots,
+            FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and gu_slots, XREG=x_reg,
             num_warps=gu["num_warps"], num_stages=gu["num_stages"],
         )
         _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
