@@ -367,9 +367,10 @@ def step_tile(w_rows, scales, scale_word, n_ok, k0, K, BLOCK_K: tl.constexpr, FP
     FP4: int32 words of 8 codes (`quant.fp4_kernel_layout`; SLOTS: rows of whole 128s, read
     in whole 128-input steps and relabelled from slot order), the scale of each word from the
     rows' scale word (WORDS) or loaded. Else FP8: WORDS, int32 words of 4 codes with the
-    scales from the rows' scale word (`moe.MOE["DEQUANT"]`, `W8A16["DEQUANT"]`; HALVES: a 128-input step loaded as two
-    64-input halves, so that each half has the lane layout `fragment_dot_order` relies on); or bytes
-    with a scale per 32 inputs. Steps past K read zero codes."""
+    scales from the rows' scale word (`moe.MOE["DEQUANT"]`, `W8A16["DEQUANT"]`; HALVES: a
+    128-input step loaded as two 64-input halves, so that each half has the lane layout
+    `fragment_dot_order` relies on); or bytes with a scale per 32 inputs. Steps past K read
+    zero codes."""
     if FP4:  # (rows of whole 128s: whole slot blocks, put in input order by relabelling)
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_rows.to(tl.pointer_type(tl.int32), bitcast=True) + kw[None, :], mask=n_ok[:, None] & (kw < K // 8)[None, :], other=0)
@@ -432,7 +433,8 @@ def fragment_order_tile(x):
 def fragment_order(x: torch.Tensor) -> torch.Tensor:
     """x [T, K] (K a multiple of 64) with every block of 64 inputs in fragment order: position
     kappa = n0 + 2 n45 + 8 n1 + 16 n2 + 32 n3 holds input n0 + 2 n1 + 4 n2 + 8 n3 + 16 n45
-    (`fragment_dot_order`). One copy: the gate_up kernel then loads x's K steps as they lie."""
+    (`fragment_dot_order`). One copy: the MoE's gate_up kernel and the weight-only GEMM's
+    wider row tiles then load x's K steps as they lie."""
     t, k = x.shape
     return x.view(t, k // 64, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(t, k)
 
@@ -529,11 +531,13 @@ W8A16 = {
     # 20.4, wo_b 28.0 -> 23.5, shared.w2 12.8 -> 10.9; M=256 wq_b 93.4 -> 86.5, V4's wq_b 74.4
     # -> 65.8; of 40 cases at M <= 256 slower in 3 (wq_b at M=64 30.6 -> 33.3, 9%)
     "STEP": True,
-    # fragment order (`_w8a16_kernel` FRAGMENT; scripts/weight_path_experiment.py, docs/PERF.md
-    # twelfth and fourteenth sessions): one weight-streaming GEMM 10-30% faster at 1-64 rows.
-    # Up to XREG_MAX_T rows a tile (the first class) x is put in that order in registers (as
-    # fast as a permuted copy at 1-16 rows, and no copy launch); wider tiles read a copy
-    # (`fragment_order`: in registers at 64 rows the GEMM lost 10-60%)
+    # fragment order (`_w8a16_kernel` FRAGMENT; docs/PERF.md fourteenth session): the model's
+    # projections 0-14% faster at 1-8 rows (wo_b 24.4 -> 21.3 us at M=1), and steps d1_8k
+    # -4%, v16 -2%; the 64-row class pays ~2.5 us a call for x's copy. Up to XREG_MAX_T rows a
+    # tile (the first class) x is put in that order in registers (as fast as the copy at 1-16
+    # rows, without its launch); wider tiles read the copy (`fragment_order`: relabelled in
+    # registers, 64-row tiles lost 10-60% in scripts/weight_path_experiment.py, and 32 or 64
+    # here made d64_32k 1-2% slower)
     "FRAGMENT": True,
     "XREG_MAX_T": 16,
     # split calls whose row tile is at most this many rows add their chunk partials in the
