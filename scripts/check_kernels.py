@@ -458,13 +458,15 @@ def section_router() -> None:
 
 
 # Grouped-kernel tilings tried at prefill sizes: (BLOCK_T, gate_up (BLOCK_N, BLOCK_K, warps,
-# stages[, STACK]), down (...)[, MOE knobs]); the third is the largest row class's default. Prefill
+# stages[, STACK[, maxnreg]]), down (...)[, MOE knobs]); the third is the largest row class's default. Prefill
 # at V4.1-Flash's 385 experts always takes these kernels (its bf16 expert copies would not fit
 # `MOE["DENSE_TEMP_BYTES"]`): 8K tokens are ~150 pairs per expert.
 MOE_PREFILL_TILES = [
     (128, (64, 64, 4, 3), (128, 64, 8, 3)),
     (128, (128, 64, 8, 3), (128, 64, 8, 3)),
     (128, (128, 64, 8, 3, True), (128, 64, 8, 3)),
+    # the default under a register cap of 128 (144 without: one program an SM; no spill at 128)
+    (128, (128, 64, 8, 3, True, 128), (128, 64, 8, 3)),
     (128, (128, 128, 8, 3, True), (128, 128, 8, 3)),
     (256, (128, 64, 8, 3, True), (128, 64, 8, 3)),
     (128, (128, 64, 8, 4), (256, 64, 8, 3)),
@@ -509,7 +511,7 @@ def moe_prefill_tiles(t: int, data: tuple) -> None:
     flops = 2 * it.numel() * 3 * (two_i // 2) * d
     ref = moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True)
     for bt, gu, dn, *knobs in MOE_PREFILL_TILES:
-        keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK")
+        keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK", "maxnreg")
         cand = {"cfg": {"BLOCK_T": bt, "gate_up": dict(zip(keys, gu)), "down": dict(zip(keys, dn))}, "knobs": knobs[0] if knobs else {}}
         label = moe_label(cand)
         try:
@@ -834,7 +836,8 @@ class moe_knobs:
 def moe_label(cand: dict) -> str:
     cfg, knobs = cand["cfg"], cand["knobs"]
     gu, dn = cfg["gate_up"], cfg["down"]
-    label = f"T{cfg['BLOCK_T']} gu N{gu['BLOCK_N']}{' stacked' if gu.get('STACK') else ''} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
+    cap = f" r{gu['maxnreg']}" if gu.get("maxnreg") else ""  # the register cap (launch_options)
+    label = f"T{cfg['BLOCK_T']} gu N{gu['BLOCK_N']}{' stacked' if gu.get('STACK') else ''} K{gu['BLOCK_K']} w{gu['num_warps']} s{gu['num_stages']}{cap} dn N{dn['BLOCK_N']} K{dn['BLOCK_K']} w{dn['num_warps']} s{dn['num_stages']}"
     if knobs.get("DEQUANT") == "bytes" and knobs.get("PAIR_TILES_MAX_PAIRS") == 0:
         return label + " old"
     return label + "".join(f" {k}={v}" for k, v in knobs.items())
@@ -2247,7 +2250,7 @@ def compile_targets() -> list[tuple]:
                     label = (f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={consts['BLOCK_K']} before={before} {dequant}"
                              f"{' pair-tiles' if variant['PAIR_TILES'] else ''}{' last-slot' if variant['LAST_SLOT'] else ''}")
                     out.append((label, kernel, dict(types, w_ptr="*u8:16") if variant["FP4"] else types, consts,
-                                {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
+                                moe.launch_options(part), "wgmma"))
     # the dense prefill path's FP4 dequantisation (rows of whole 128s: words read from their slots)
     dq4 = {"w_ptr": "*u8:16", "s_ptr": "*u8", "out_ptr": "*bf16:16", "N": i, "K": a, "stride_wn": a, "stride_sn": i, "stride_on": a}
     for slots in (False, True):
@@ -2261,7 +2264,7 @@ def compile_targets() -> list[tuple]:
                   "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True, "FP4": False, "LAST_SLOT": 0,
                   "FRAGMENT": True, "ACT_FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": False, "XREG": cfg["BLOCK_T"] <= moe.MOE["XREG_MAX_T"]}
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
-        out.append((label, moe._gate_up_kernel, gate_up, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
+        out.append((label, moe._gate_up_kernel, gate_up, consts, moe.launch_options(part), "wgmma"))
     # the FP8-activation kernels (fp8_act), every row class
     fp8_common = {k: v for k, v in common.items()}
     gate_up8 = dict(fp8_common, xq_ptr="*fp8e4nv:16", xs_ptr="*u8:16", aq_ptr="*fp8e4nv:16", as_ptr="*u8", stride_xq=a, stride_xs=i,
@@ -2276,7 +2279,7 @@ def compile_targets() -> list[tuple]:
                     stack = part.get("STACK", False)
                     consts.update(TOPK=7, HAS_LIMIT=True, STACK=stack, CH=part["BLOCK_N"] // 2 if stack else part["BLOCK_N"])
                 label = f"moe fp8-act {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']}{' pair-tiles' if pair_tiles else ''}"
-                out.append((label, kernel, types, consts, {"num_warps": part["num_warps"], "num_stages": part["num_stages"]}, "wgmma"))
+                out.append((label, kernel, types, consts, moe.launch_options(part), "wgmma"))
     align = {"ids_ptr": "*i64:16", "rows_ptr": "*i32:16", "tile_expert_ptr": "*i32:16", "n_pairs": i, "n_experts": i, "n_tiles": i}
     for e_block in (128, 512):
         bt = moe.MOE["rows"][0][1]["BLOCK_T"]

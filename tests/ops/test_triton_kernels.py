@@ -454,6 +454,24 @@ def test_moe_experts_matches_reference(weight_before_down, t, top_k, n_exp):
         assert (y.cpu() - ref).abs().max() <= 3 * BF16_REL * ref.abs().max()
 
 
+def test_moe_register_cap_is_a_launch_option(monkeypatch):
+    """A tile's optional `maxnreg` reaches the launches as Triton's register cap (and only
+    where set); the results keep their bits (on the GPU the cap only changes how many
+    programs an SM holds)."""
+    part = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "STACK": True}
+    assert moe.launch_options(part) == {"num_warps": 8, "num_stages": 3}
+    assert moe.launch_options(dict(part, maxnreg=128)) == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
+    t, top_k, n_exp, d, inter = 40, 2, 4, 64, 96
+    g = _gen(77)
+    x = (torch.randn(t, d, generator=g) * 2).bfloat16()
+    weights, ids = moe_ref.route(moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g)), torch.zeros(n_exp), top_k, None, 1.5, True)
+    dev = [a.to(DEVICE) for a in (x, ids, weights, *_experts(n_exp, d, inter, g))]
+    base = moe.moe_experts(*dev, 10.0, True)
+    cfg = dict(moe.moe_config(t * top_k, n_exp))
+    monkeypatch.setitem(moe.MOE, "rows", ((None, dict(cfg, gate_up=dict(cfg["gate_up"], maxnreg=128), down=dict(cfg["down"], maxnreg=128))),))
+    assert torch.equal(moe.moe_experts(*dev, 10.0, True), base)
+
+
 def _fp4_experts(e: int, d: int, inter: int, g: torch.Generator):
     """Random FP4 experts, compact (kernel layout) and their exact FP8 conversion, + scales."""
     p13 = torch.randint(0, 256, (e, 2 * inter, d // 2), generator=g, dtype=torch.uint8)

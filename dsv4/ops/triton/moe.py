@@ -82,7 +82,10 @@ _LANE_INPUTS = tl.constexpr(FRAGMENT_BLOCK // 4)
 #   multiple of 16 x num_warps), BLOCK_K inputs per pipelined step (64 or 128: whole blocks of
 #   the fragment order below), warps and pipeline depth; gate_up's optional STACK (default
 #   False): its BLOCK_N rows are BLOCK_N / 2 gate rows over their up rows in one accumulator
-#   (twice the programs, each with half the work: decode's few row tiles leave SMs idle).
+#   (twice the programs, each with half the work: decode's few row tiles leave SMs idle);
+#   the optional maxnreg, a register cap (`launch_options`; none by default: the prefill
+#   class's gate_up holds one program an SM at 144 registers and compiles without spills at
+#   128, which `check_kernels.py --sections moe_prefill` times).
 #   Each K step is dequantised as one tile and multiplied by one dot (the interpreter: one dot
 #   per 32 inputs, `fp8_gemm.step_dot`): on sm_90 one wgmma chain of k16 steps in the same order
 #   whatever BLOCK_K, BLOCK_N, BLOCK_T or STACK, so a row's bits depend on none of these knobs.
@@ -570,6 +573,13 @@ def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K
     tl.store(out_ptr + t * D + cols, total.to(out_ptr.dtype.element_ty), mask=ok)  # fp32, or rounded once to bf16
 
 
+def launch_options(part: dict) -> dict:
+    """The Triton launch options of a kernel's tile knobs (`MOE["rows"]` gate_up / down):
+    warps, pipeline depth and, where set, the register cap `maxnreg` (more programs an SM for
+    kernels that registers hold at one)."""
+    return {"num_warps": part["num_warps"], "num_stages": part["num_stages"], **({"maxnreg": part["maxnreg"]} if part.get("maxnreg") else {})}
+
+
 def moe_config(pairs: int, experts: int, fp8_act: bool = False) -> dict:
     """The knobs of the first row class that holds the mean pairs per expert (of the FP8
     kernels' table with `fp8_act`)."""
@@ -829,7 +839,7 @@ def moe_experts(
             TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0,
             PAIR_TILES=pair_tiles, STACK=stack, CH=gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"],
-            num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+            **launch_options(gu),
         )
         _down_fp8_kernel[(n_tiles, triton.cdiv(d, dn["BLOCK_N"]))](
             act_q, act_s, w2, w2_scale, rows, tile_expert, weights, y,
@@ -837,7 +847,7 @@ def moe_experts(
             act_q.stride(0), act_s.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
             WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PAIR_TILES=pair_tiles,
-            num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+            **launch_options(dn),
         )
         return _slot_sums(y, ids, out_dtype)
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
@@ -861,7 +871,7 @@ def moe_experts(
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
             WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot,
             FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and gu_slots, XREG=x_reg,
-            num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+            **launch_options(gu),
         )
         _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
             act, w2, w2_scale, rows, tile_expert, weights, y,
@@ -871,7 +881,7 @@ def moe_experts(
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
             WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
             FRAGMENT=act_fragment, WARPS=dn["num_warps"], SLOTS=fp4 and dn_slots,
-            num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+            **launch_options(dn),
         )
 
     launch(w13, w13_scale, w2, w2_scale, fp4, w13.shape[0], 0)
