@@ -8,7 +8,8 @@
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
 # knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS=...", or bench flags: AB_ENV="AB_FLAGS=--fp4-experts"), KNOBS (module globals or dict entries the bench runs under, Python literals:
-# KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"),
+# KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"; a dotted path
+# walks nested tables, digits indexing tuples: KNOBS=dsv4.ops.triton.moe:MOE.rows.4.1.gate_up.maxnreg=128),
 # PROFILE_CASES, PROFILE_ARGS (per-kernel table of graph replays, step `profile`; PROFILE_ARGS=--torch-ops adds
 # the eager step's aten ops by source line).
 # Results under $OUT.
@@ -34,8 +35,12 @@ for knob in "${KNOBS:-}".split():  # module:NAME=value or module:DICT.key=value 
     target, value = knob.split("=", 1)
     module, name = target.split(":")
     mod, value = importlib.import_module(module), ast.literal_eval(value)
-    if "." in name:
-        getattr(mod, name.split(".")[0])[name.split(".", 1)[1]] = value
+    if "." in name:  # DICT.key, or a path into nested tables: MOE.rows.4.1.gate_up.maxnreg (digits index tuples)
+        head, *path, last = name.split(".")
+        table = getattr(mod, head)
+        for key in path:
+            table = table[int(key) if key.isdigit() else key]
+        table[last] = value
     else:
         setattr(mod, name, value)
     print(f"knob {knob}")
@@ -107,7 +112,7 @@ if want ncu; then  # Nsight Compute on the bounding kernels (scripts/ncu_kernels
   else
     timeout "${NCU_TIMEOUT:-240}" "$NCU" --kernel-name regex:'_gate_up_kernel|_down_kernel|_w8a16_kernel|_logits_kernel|_pv_kernel' \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
-      --section MemoryWorkloadAnalysis python scripts/ncu_kernels.py ${NCU_CASES:+--cases $NCU_CASES} >"$OUT/ncu.txt" 2>&1
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters python scripts/ncu_kernels.py ${NCU_CASES:+--cases $NCU_CASES} >"$OUT/ncu.txt" 2>&1
     echo "rc=$?" | tee -a "$LOG"
     grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Issued Warp Per Scheduler|No Eligible|Registers Per|ERR" "$OUT/ncu.txt" | head -80
   fi

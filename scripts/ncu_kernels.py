@@ -39,6 +39,20 @@ def moe(t: int, fp4: bool = False) -> None:
         moe.moe_experts(x[:t], ids, weights, *stacks, 10.0, True, shared=shared)
 
 
+def moe_capped(t: int, maxnreg: int | None) -> None:
+    """`moe(t)` with the prefill class's gate_up under another register cap (None: uncapped;
+    `moe.launch_options`)."""
+    from dsv4.ops.triton import moe as moe_kernels
+
+    gate_up = moe_kernels.MOE["rows"][-1][1]["gate_up"]
+    default = gate_up.get("maxnreg")
+    gate_up["maxnreg"] = maxnreg
+    try:
+        moe(t)
+    finally:
+        gate_up["maxnreg"] = default
+
+
 def w8a16(name: str) -> None:
     from dsv4.ops.triton import fp8_gemm
 
@@ -61,6 +75,9 @@ CASES = {
     "moe_t1": lambda: moe(1),
     "moe_t64": lambda: moe(64),
     "moe_fp4_t64": lambda: moe(64, fp4=True),
+    # the prefill class (hit=1024@100000's encoder layers: 1152 rows, ~124 pairs per expert)
+    "moe_t1152": lambda: moe(1152),
+    "moe_t1152_uncapped": lambda: moe_capped(1152, None),
     "wq_b_m1": lambda: w8a16("wq_b"),
     "wo_b_m1": lambda: w8a16("wo_b"),
     "attn_t1": lambda: attention(1),
