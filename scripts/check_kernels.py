@@ -464,9 +464,10 @@ def section_router() -> None:
 MOE_PREFILL_TILES = [
     (128, (64, 64, 4, 3), (128, 64, 8, 3)),
     (128, (128, 64, 8, 3), (128, 64, 8, 3)),
-    (128, (128, 64, 8, 3, True), (128, 64, 8, 3)),
-    # the default under a register cap of 128 (144 without: one program an SM; no spill at 128)
+    # the default: stacked, under a register cap of 128 (no spill; without it 144 registers,
+    # one program an SM) — and uncapped
     (128, (128, 64, 8, 3, True, 128), (128, 64, 8, 3)),
+    (128, (128, 64, 8, 3, True), (128, 64, 8, 3)),
     (128, (128, 128, 8, 3, True), (128, 128, 8, 3)),
     (256, (128, 64, 8, 3, True), (128, 64, 8, 3)),
     (128, (128, 64, 8, 4), (256, 64, 8, 3)),

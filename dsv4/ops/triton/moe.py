@@ -83,9 +83,9 @@ _LANE_INPUTS = tl.constexpr(FRAGMENT_BLOCK // 4)
 #   the fragment order below), warps and pipeline depth; gate_up's optional STACK (default
 #   False): its BLOCK_N rows are BLOCK_N / 2 gate rows over their up rows in one accumulator
 #   (twice the programs, each with half the work: decode's few row tiles leave SMs idle);
-#   the optional maxnreg, a register cap (`launch_options`; none by default: the prefill
-#   class's gate_up holds one program an SM at 144 registers and compiles without spills at
-#   128, which `check_kernels.py --sections moe_prefill` times).
+#   the optional maxnreg, a register cap (`launch_options`): the prefill class's gate_up
+#   compiles to 144 registers, one program an SM (ncu: 12.5% occupancy, 64% of cycles with no
+#   eligible warp); at 128 it compiles without spills and two programs share an SM (24.5%).
 #   Each K step is dequantised as one tile and multiplied by one dot (the interpreter: one dot
 #   per 32 inputs, `fp8_gemm.step_dot`): on sm_90 one wgmma chain of k16 steps in the same order
 #   whatever BLOCK_K, BLOCK_N, BLOCK_T or STACK, so a row's bits depend on none of these knobs.
@@ -156,9 +156,11 @@ MOE = {
         (None, {  # prefill: stacked gate/up (one [128, 128] accumulator at 8 warps), whole K
             # steps; moe_prefill S10-2, 8192 tokens: 385 experts 17.8 -> 16.7 ms, 65 experts
             # 13.8 -> 13.0 (4096 tokens 7.5 -> 6.7) against unstacked 64-row gate/up at 4 warps
-            # in pieces; 256-row tiles were faster at 65 experts (11.9) but slower at 385 (19.8)
+            # in pieces; 256-row tiles were faster at 65 experts (11.9) but slower at 385 (19.8).
+            # gate_up under a 128-register cap: ncu at 1152 rows of 65 experts 1.43 -> 1.18 ms;
+            # bench S15-1 hit=1024@100000 23.4 -> 22.3 ms, mix 21.6 -> 20.5 ms
             "BLOCK_T": 128,
-            "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "STACK": True},
+            "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "STACK": True, "maxnreg": 128},
             "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
         }),
     ),
