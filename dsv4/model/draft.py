@@ -223,8 +223,9 @@ class DSparkDraft:
         h, hd, w, dtype = cfg.num_heads, cfg.head_dim, cfg.window, x.dtype
         n = x.shape[0]
         cos, sin = self.rope.cos_sin(positions, "main")
-        q = apply_rope_(attn.wq_b(attn.norm(attn.wq_a(x), attn.q_norm)).view(n, h, hd), cos, sin)
-        kv = kvops.round_trip(ring, apply_rope_(attn.norm(attn.wkv(x), attn.kv_norm), cos, sin), "window")
+        q_res, kv = attn.project_in(x)
+        q = apply_rope_(attn.wq_b(q_res).view(n, h, hd), cos, sin)
+        kv = kvops.round_trip(ring, apply_rope_(kv, cos, sin), "window")
         ring_pos = torch.arange(p - w + 1, p + 1, device=x.device)
         ring_keys = kvops.load(ring, (slot, ring_pos.clamp_min(0) % w), "window", dtype)
         ring_valid = (ring_pos >= 0).expand(n, w)

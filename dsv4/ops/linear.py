@@ -109,6 +109,27 @@ class Linear:
         return linear(x, self.dense(x.dtype))
 
 
+def stack_rows(parts: list[Linear]) -> tuple[Linear, list[Linear]]:
+    """Projections of the same input as one projection of their stacked rows (one GEMM, one
+    launch at decode, where each launch costs a few us beyond its bytes) and the parts again as
+    views of it, so the weights are held once. Compact FP8 parts stack their tile scales when
+    every part's rows are whole scale tiles; otherwise (tiny test shapes) they are dequantised
+    once here. The stacked GEMM splits K by its own shape (`fp8_gemm.w8a16_chunk_k`): its bits
+    may differ from the parts' at the last place, never with the batch."""
+    first = parts[0]
+    if any(p.block != first.block or p.row_scales or p.quant_input != first.quant_input or (p.scale is None) != (first.scale is None)
+           or p.weight.dtype != first.weight.dtype for p in parts):
+        raise ValueError("stack_rows: the parts must share weight dtype, block, scale kind and input quantisation")
+    rows = [p.out_features for p in parts]
+    if first.scale is not None and all(r % first.block == 0 for r in rows):
+        whole = Linear(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), first.block, quant_input=first.quant_input)
+        tiles = [r // first.block for r in rows]
+        return whole, [Linear(w, s, first.block, quant_input=first.quant_input)
+                       for w, s in zip(whole.weight.split(rows), whole.scale.split(tiles))]
+    dense = torch.cat([p.dense(p.weight.dtype if p.scale is None else torch.float32) for p in parts])
+    return Linear(dense, quant_input=first.quant_input), [Linear(w, quant_input=first.quant_input) for w in dense.split(rows)]
+
+
 def grouped_linear(x: torch.Tensor, whole: Linear, parts: list[Linear]) -> torch.Tensor:
     """A block-diagonal projection: x [R, G, K] (G groups of K inputs) -> [R, G * N_g], group g
     through `parts[g]` (rows g*N_g .. of `whole`). Compact FP8 on the GPU, decode-sized: one

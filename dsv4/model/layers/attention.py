@@ -29,7 +29,7 @@ from dsv4.ops import attention as attention_ops
 from dsv4.ops import compressor as compressor_ops
 from dsv4.ops import indexer as index_ops
 from dsv4.ops import kv as kvops
-from dsv4.ops.linear import Linear, grouped_linear, linear, linear_fp32
+from dsv4.ops.linear import Linear, grouped_linear, linear, linear_fp32, stack_rows
 from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import RopeTables, apply_rope, apply_rope_
 
@@ -337,8 +337,9 @@ class Attention:
         self.cfg, self.role, self.rope = cfg, role, rope
         self.v41 = cfg.arch == "v41"
         b = cfg.weight_block_size
-        self.wq_a, self.wq_b = _proj(w, p + "wq_a", cfg), _proj(w, p + "wq_b", cfg)
-        self.wkv = _proj(w, p + "wkv", cfg)
+        self.wq_b = _proj(w, p + "wq_b", cfg)
+        # wq_a and wkv read the same input: the fast path runs them as one GEMM (`project_in`)
+        self.wq_a_kv, (self.wq_a, self.wkv) = stack_rows([_proj(w, p + "wq_a", cfg), _proj(w, p + "wkv", cfg)])
         self.wo_a, self.wo_b = _proj(w, p + "wo_a", cfg), _proj(w, p + "wo_b", cfg)
         self.wo_a_groups = _groups(self.wo_a, cfg.o_groups, b)
         self.q_norm, self.kv_norm = w[p + "q_norm.weight"], w[p + "kv_norm.weight"]
@@ -358,6 +359,11 @@ class Attention:
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.cfg.rms_norm_eps, weight_in_fp32=not self.v41)
+
+    def project_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_res, kv before RoPE): wq_a and wkv of x in one GEMM, each normed."""
+        q_a, kv = self.wq_a_kv(x).split([self.wq_a.out_features, self.wkv.out_features], dim=-1)
+        return self.norm(q_a, self.q_norm), self.norm(kv, self.kv_norm)
 
     # ------------------------------------------------------------------ compressed branch
     def compress(self, x: torch.Tensor, segs: Segments, batch: ForwardBatch, cache: KVCacheStorage) -> None:
@@ -591,10 +597,10 @@ class Attention:
         cfg, role = self.cfg, self.role
         h, hd = cfg.num_heads, cfg.head_dim
         cos, sin = rows.derived(("rope", role.rope), lambda: self.rope.cos_sin(rows.positions, role.rope))
-        q_res = self.norm(self.wq_a(x), self.q_norm)
+        q_res, kv = self.project_in(x)
         q = apply_rope_(self.wq_b(q_res).view(-1, h, hd), cos, sin)
         ring = cache.ring[role.index]
-        kv = kvops.round_trip(ring, apply_rope_(self.norm(self.wkv(x), self.kv_norm), cos, sin), "window")  # QAT: FP8
+        kv = kvops.round_trip(ring, apply_rope_(kv, cos, sin), "window")  # QAT: FP8
         if role.runs_indexer:
             with section("indexer"):
                 self.select_fast(x, q_res, rows, step, cache, shared)
