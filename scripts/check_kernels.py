@@ -47,6 +47,7 @@ ROWS = (1, 8, 64, 256, 4096)
 # V4.1-Flash FP8 projections (name, N, K, block); last two: V4-Flash's 128x128 blocks.
 PROJECTIONS = [
     ("wq_a", 1280, 5120, 32),
+    ("wq_a+wkv", 1792, 5120, 32),  # the two stacked, as the fast path runs them (`Attention.project_in`)
     ("wq_b", 32768, 1280, 32),
     ("wkv", 512, 5120, 32),
     ("wo_a.group", 1024, 4096, 32),
@@ -406,7 +407,7 @@ def section_moe_prefill() -> None:
     for t in MOE_PREFILL_TOKENS:
         guarded("moe_prefill", f"T={t}", moe_prefill_case, t, data)
     guarded("moe_prefill", "parts", moe_prefill_parts, data)
-    for t in (4096, 8192):
+    for t in (1152, 4096, 8192):  # 1152: hit=1024@100000's encoder rows (~124 pairs per expert)
         guarded("moe_prefill", f"tiles T={t}", moe_prefill_tiles, t, data)
     del data, x, ids, weights, w13, s13, w2, s2
     torch.cuda.empty_cache()
@@ -471,6 +472,9 @@ MOE_PREFILL_TILES = [
     (128, (128, 128, 8, 3, True), (128, 128, 8, 3)),
     (256, (128, 64, 8, 3, True), (128, 64, 8, 3)),
     (128, (128, 64, 8, 4), (256, 64, 8, 3)),
+    (128, (128, 64, 8, 3), (256, 64, 8, 3)),
+    (128, (64, 64, 4, 3), (256, 64, 8, 3)),
+    (256, (128, 64, 8, 3, True, 128), (128, 64, 8, 3)),
     (64, (128, 64, 8, 4), (128, 64, 8, 4)),
     # byte reads: the FP8 tile taken from shared memory, no word permute
     (128, (128, 64, 8, 3, True), (128, 64, 8, 3), {"DEQUANT": "bytes"}),

@@ -7,7 +7,7 @@
 # same with FP8 activations, insitu4: with FP4 experts, ab, ncu, profile), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
-# knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS=...", or bench flags: AB_ENV="AB_FLAGS=--fp4-experts"), KNOBS (module globals or dict entries the bench runs under, Python literals:
+# knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS='... ...'" (a variant is eval'd: quote a value with spaces), or bench flags: AB_ENV="AB_FLAGS=--fp4-experts"), KNOBS (module globals or dict entries the bench runs under, Python literals:
 # KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"; a dotted path
 # walks nested tables, digits indexing tuples: KNOBS=dsv4.ops.triton.moe:MOE.rows.4.1.gate_up.maxnreg=128),
 # PROFILE_CASES, PROFILE_ARGS (per-kernel table of graph replays, step `profile`; PROFILE_ARGS=--torch-ops adds
@@ -94,7 +94,7 @@ if want ab; then  # A/B: the same cases under other kernel knobs, one run per va
   IFS=';' read -ra variants <<< "$AB_ENV"
   for i in "${!variants[@]}"; do
     echo "=== ab $i (${variants[$i]})" | tee -a "$LOG"
-    (export ${variants[$i]}; bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
+    (eval "export ${variants[$i]}"; bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
       --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward_ab$i.json" --no-baseline ${AB_FLAGS:-} ${AB_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768} 2>&1 \
       | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -30)
   done
