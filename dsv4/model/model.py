@@ -92,6 +92,43 @@ class Carry:
         return self if keep is None else self.per_row(lambda t: t[keep])
 
 
+# V4.1's mixes on a second stream on the fast path (`MixesAside`; False: in place, for A/B runs)
+MIXES_ASIDE = True
+
+
+class MixesAside:
+    """V4.1 collapses a site's input with the previous site's `pre`, so a site's own mixes are
+    first read after its sublayer (the expand; the next site's collapse). On the fast path on
+    CUDA they run on a second stream, beside the collapse and the sublayer: at decode the mixes
+    (an fp32 GEMM of 80 small programs and a one-warp Sinkhorn epilogue, ~14 us a site, all
+    latency) then hide behind the sublayer's kernels. Elsewhere they run in place.
+
+    `start` forks: the side stream waits for the main stream's work so far, then the mixes are
+    issued on it; `join` makes the main stream wait for them. Memory needs no record_stream:
+    every fork starts behind the main stream (so a block the side stream reuses is one the main
+    stream is done with), and the inputs (the residual streams) stay referenced past the join.
+    In a CUDA graph capture the fork and join become graph edges; a piece must join before its
+    capture ends (`Model._encode` does, for the split layer's attention site)."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.stream = torch.cuda.Stream(device) if enabled else None
+        self.pending = False
+
+    def start(self, mixes, *args):
+        if self.stream is None:
+            return mixes(*args)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = mixes(*args)
+        self.pending = True
+        return out
+
+    def join(self) -> None:
+        if self.pending:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self.pending = False
+
+
 class Model:
     """`fast_path`: None picks the fast path on CUDA in bf16 when the config allows it
     (`fast_path_unsupported`), the reference path otherwise; True / False force one (True on
@@ -111,6 +148,7 @@ class Model:
         elif fast_path and why is not None:
             raise ValueError(f"fast_path=True: {why}")
         self.fast = fast_path
+        self.aside = MixesAside(self.device, MIXES_ASIDE and fast_path and self.v41 and self.device.type == "cuda")
         self.rope = RopeTables(cfg, dtype, self.device)
         self.embed = weights["embed.weight"]
         self.head = weights["head.weight"]
@@ -186,6 +224,7 @@ class Model:
             self._block_in(block, carry, rows, capture)
             if i < self.split_at:
                 self._block_out(block, carry, rows, trace)
+        self.aside.join()  # the split layer's attention mixes (the decoder piece reads them)
         return carry
 
     def _decode(self, carry: Carry, rows, trace, capture) -> torch.Tensor:
@@ -215,8 +254,12 @@ class Model:
             capture.setdefault("dspark", {})[role.index] = carry.streams[rows.final()].mean(dim=1)
         carry.residual = carry.streams
         with section("mhc"):
-            carry.a_pre, carry.a_post, carry.a_comb = block.mixes(carry.streams, "attn")
-            carry.h = block.collapse_norm(carry.streams, carry.pre if self.v41 else carry.a_pre, block.attn_norm)
+            if self.v41:  # read after the attention (`MixesAside`)
+                carry.a_pre, carry.a_post, carry.a_comb = self.aside.start(block.mixes, carry.streams, "attn")
+                carry.h = block.collapse_norm(carry.streams, carry.pre, block.attn_norm)
+            else:
+                carry.a_pre, carry.a_post, carry.a_comb = block.mixes(carry.streams, "attn")
+                carry.h = block.collapse_norm(carry.streams, carry.a_pre, block.attn_norm)
         if role.owns_compressor:
             with section("compressor"):
                 rows.compress(block.attn, carry.h)
@@ -226,12 +269,18 @@ class Model:
         with section("attention"):
             y = rows.attend(block.attn, carry.h, carry.shared)
         with section("mhc"):
+            self.aside.join()
             streams = hc_expand(y, carry.residual, carry.a_post, carry.a_comb, fp32=self.v41)
-            f_pre, f_post, f_comb = block.mixes(streams, "ffn")
-            h = block.collapse_norm(streams, carry.a_pre if self.v41 else f_pre, block.ffn_norm)
+            if self.v41:  # read after the MoE (`MixesAside`)
+                f_pre, f_post, f_comb = self.aside.start(block.mixes, streams, "ffn")
+                h = block.collapse_norm(streams, carry.a_pre, block.ffn_norm)
+            else:
+                f_pre, f_post, f_comb = block.mixes(streams, "ffn")
+                h = block.collapse_norm(streams, f_pre, block.ffn_norm)
         with section("moe"):
             y = block.ffn(h, carry.ids, trace, f"L{block.role.index}")
         with section("mhc"):
+            self.aside.join()
             carry.streams = hc_expand(y, streams, f_post, f_comb, fp32=self.v41)
         carry.pre = f_pre
 
