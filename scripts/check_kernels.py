@@ -46,8 +46,8 @@ PEAK = {"fp8": 1365e12, "bf16": 758e12}
 ROWS = (1, 8, 64, 256, 4096)
 # V4.1-Flash FP8 projections (name, N, K, block); last two: V4-Flash's 128x128 blocks.
 PROJECTIONS = [
-    ("wq_a", 1280, 5120, 32),
     ("wq_a+wkv", 1792, 5120, 32),  # the two stacked, as the fast path runs them (`Attention.project_in`)
+    ("wq_a", 1280, 5120, 32),  # wq_a and wkv alone: what the stacking saves
     ("wq_b", 32768, 1280, 32),
     ("wkv", 512, 5120, 32),
     ("wo_a.group", 1024, 4096, 32),
@@ -474,7 +474,6 @@ MOE_PREFILL_TILES = [
     (128, (128, 64, 8, 4), (256, 64, 8, 3)),
     (128, (128, 64, 8, 3), (256, 64, 8, 3)),
     (128, (64, 64, 4, 3), (256, 64, 8, 3)),
-    (256, (128, 64, 8, 3, True, 128), (128, 64, 8, 3)),
     (64, (128, 64, 8, 4), (128, 64, 8, 4)),
     # byte reads: the FP8 tile taken from shared memory, no word permute
     (128, (128, 64, 8, 3, True), (128, 64, 8, 3), {"DEQUANT": "bytes"}),
@@ -2161,7 +2160,7 @@ def invariance_fp32_gemm() -> None:
 
 def section_invariance() -> None:
     """A row computed alone must have the bits it has inside a batch."""
-    for name, n, k, block in (p for p in PROJECTIONS if p[0] in ("wq_a", "wq_b", "wo_b")):  # 10, 1, 6 chunks
+    for name, n, k, block in (p for p in PROJECTIONS if p[0] in ("wq_a+wkv", "wq_b", "wo_b")):  # 14, 1, 6 chunks
         guarded("invariance", f"fp8_linear_w8a16 {name}", invariance_fp8_linear, name, n, k, block)
     guarded("invariance", "moe_experts", invariance_moe)
     guarded("invariance", "sparse_attention", invariance_attention)

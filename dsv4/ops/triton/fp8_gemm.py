@@ -516,8 +516,10 @@ W8A16 = {
         (32, {"BLOCK_T": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 4}),
         (None, {"BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 4, "num_warps": 4, "num_stages": 3}),
     ),
-    # wq_a: 10 chunks of 512 beat the default 20 of 256 by 14% over M = 1, 8, 64 (device run 1)
-    "CHUNKS": {(1280, 5120, 32): 10},
+    # per-shape chunk counts (N, K, block): none now. wq_a alone had taken 10 (14% faster than 20
+    # over M = 1, 8, 64, device run 1); the model now runs it stacked with wkv (1792 x 5120,
+    # `Attention.project_in`), whose default 14 measured level with 10 (S15-4 A/B)
+    "CHUNKS": {},
     # 4: twice the split-K chunks of 2 where the tile count allowed it (fp8_linear S3-4, M=1):
     # wo_b 37.7 -> 29.3 us, V4's wo_b 24.1 -> 22.3; shapes capped by MIN_CHUNK_K or CHUNKS keep
     # theirs (more chunks measured slower for wq_a, wkv, wo_a)
