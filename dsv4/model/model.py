@@ -128,6 +128,12 @@ class MixesAside:
             torch.cuda.current_stream().wait_stream(self.stream)
             self.pending = False
 
+    def forget(self) -> None:
+        """At the start of a piece: side work a failed step left unjoined is never read (and
+        the next fork waits behind the main stream anyway); joining it inside a capture would
+        make the graph wait on an event recorded outside it."""
+        self.pending = False
+
 
 class Model:
     """`fast_path`: None picks the fast path on CUDA in bf16 when the config allows it
@@ -191,6 +197,7 @@ class Model:
         the split layer up to its attention (dsv4.engine.cuda_graphs captures the two pieces
         on their own row counts)."""
         step.forget_derived()  # derived tensors are made inside this forward (and its graph)
+        self.aside.forget()
         rows = step.enc
         return self._encode(step.input_ids, rows.req, rows.local, rows.positions, step.prev_tokens, _FastRows(step, cache), None, None)
 
@@ -199,6 +206,7 @@ class Model:
         """The second piece: the rows the decoder keeps (`step.dec`) from the split layer's
         attention on -> hidden states [len(step.logits_index), D]."""
         step.dec.memo.clear()
+        self.aside.forget()  # (the encoder piece joined its own)
         rows = _FastRows(step, cache)
         shared = dict(carry.shared)  # the split replaces the selections by the kept rows': not in the caller's carry
         keep = rows.split(shared) if self.split_at < len(self.blocks) else None
