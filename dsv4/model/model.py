@@ -101,7 +101,8 @@ class MixesAside:
     first read after its sublayer (the expand; the next site's collapse). On the fast path on
     CUDA they run on a second stream, beside the collapse and the sublayer: at decode the mixes
     (an fp32 GEMM of 80 small programs and a one-warp Sinkhorn epilogue, ~14 us a site, all
-    latency) then hide behind the sublayer's kernels. Elsewhere they run in place.
+    latency) then hide behind the sublayer's kernels. Elsewhere (and for V4, whose collapse
+    reads the site's own `pre`) they run in place.
 
     `start` forks: the side stream waits for the main stream's work so far, then the mixes are
     issued on it; `join` makes the main stream wait for them. Memory needs no record_stream:
@@ -262,12 +263,9 @@ class Model:
             capture.setdefault("dspark", {})[role.index] = carry.streams[rows.final()].mean(dim=1)
         carry.residual = carry.streams
         with section("mhc"):
-            if self.v41:  # read after the attention (`MixesAside`)
-                carry.a_pre, carry.a_post, carry.a_comb = self.aside.start(block.mixes, carry.streams, "attn")
-                carry.h = block.collapse_norm(carry.streams, carry.pre, block.attn_norm)
-            else:
-                carry.a_pre, carry.a_post, carry.a_comb = block.mixes(carry.streams, "attn")
-                carry.h = block.collapse_norm(carry.streams, carry.a_pre, block.attn_norm)
+            # V4.1: first read after the attention (`MixesAside`; V4 runs them in place)
+            carry.a_pre, carry.a_post, carry.a_comb = self.aside.start(block.mixes, carry.streams, "attn")
+            carry.h = block.collapse_norm(carry.streams, carry.pre if self.v41 else carry.a_pre, block.attn_norm)
         if role.owns_compressor:
             with section("compressor"):
                 rows.compress(block.attn, carry.h)
@@ -279,12 +277,8 @@ class Model:
         with section("mhc"):
             self.aside.join()
             streams = hc_expand(y, carry.residual, carry.a_post, carry.a_comb, fp32=self.v41)
-            if self.v41:  # read after the MoE (`MixesAside`)
-                f_pre, f_post, f_comb = self.aside.start(block.mixes, streams, "ffn")
-                h = block.collapse_norm(streams, carry.a_pre, block.ffn_norm)
-            else:
-                f_pre, f_post, f_comb = block.mixes(streams, "ffn")
-                h = block.collapse_norm(streams, f_pre, block.ffn_norm)
+            f_pre, f_post, f_comb = self.aside.start(block.mixes, streams, "ffn")  # V4.1: first read after the MoE
+            h = block.collapse_norm(streams, carry.a_pre if self.v41 else f_pre, block.ffn_norm)
         with section("moe"):
             y = block.ffn(h, carry.ids, trace, f"L{block.role.index}")
         with section("mhc"):

@@ -83,6 +83,17 @@ class Linear:
             return quant.dequant_fp8_rows(self.weight, self.scale, 32, validate=False).to(dtype)
         return quant.dequant_fp8_block(self.weight, self.scale, self.block, validate=False).to(dtype)
 
+    def split_rows(self, rows: list[int]) -> list["Linear"]:
+        """The projection's consecutive row ranges as projections of their own. Compact FP8
+        ranges that are whole scale tiles are views with their tiles' scales; otherwise (tiny
+        test shapes) the weight is dequantised once here rather than at every call."""
+        if self.row_scales:
+            raise ValueError("split_rows: for projections with tile scales (a routed expert's row scales are not split)")
+        if self.scale is None or all(r % self.block == 0 for r in rows):
+            scales = [None] * len(rows) if self.scale is None else self.scale.split([r // self.block for r in rows])
+            return [Linear(w, s, self.block, quant_input=self.quant_input) for w, s in zip(self.weight.split(rows), scales)]
+        return [Linear(w, quant_input=self.quant_input) for w in self.dense(torch.float32).split(rows)]
+
     def weight_only(self, x: torch.Tensor) -> bool:
         """Whether `x @ W^T` runs the FP8 weight-only Triton kernel: compact FP8 tiles, bf16 x on
         the GPU, fewer than DENSE_GEMM_ROWS rows (Hopper decode)."""
@@ -112,10 +123,11 @@ class Linear:
 def stack_rows(parts: list[Linear]) -> tuple[Linear, list[Linear]]:
     """Projections of the same input as one projection of their stacked rows (one GEMM, one
     launch at decode, where each launch costs a few us beyond its bytes) and the parts again as
-    views of it, so the weights are held once. Compact FP8 parts stack their tile scales when
-    every part's rows are whole scale tiles; otherwise (tiny test shapes) they are dequantised
-    once here. The stacked GEMM splits K by its own shape (`fp8_gemm.w8a16_chunk_k`): its bits
-    may differ from the parts' at the last place, never with the batch."""
+    its `split_rows`, so the weights are held once. Compact FP8 parts stack their tile scales
+    when every part's rows are whole scale tiles; otherwise (tiny test shapes) they are
+    dequantised once here. The stacked GEMM splits K by its own shape
+    (`fp8_gemm.w8a16_chunk_k`): its bits may differ from the parts' at the last place, never
+    with the batch."""
     first = parts[0]
     if any(p.block != first.block or p.row_scales or p.quant_input != first.quant_input or (p.scale is None) != (first.scale is None)
            or p.weight.dtype != first.weight.dtype for p in parts):
@@ -123,11 +135,9 @@ def stack_rows(parts: list[Linear]) -> tuple[Linear, list[Linear]]:
     rows = [p.out_features for p in parts]
     if first.scale is not None and all(r % first.block == 0 for r in rows):
         whole = Linear(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), first.block, quant_input=first.quant_input)
-        tiles = [r // first.block for r in rows]
-        return whole, [Linear(w, s, first.block, quant_input=first.quant_input)
-                       for w, s in zip(whole.weight.split(rows), whole.scale.split(tiles))]
-    dense = torch.cat([p.dense(p.weight.dtype if p.scale is None else torch.float32) for p in parts])
-    return Linear(dense, quant_input=first.quant_input), [Linear(w, quant_input=first.quant_input) for w in dense.split(rows)]
+    else:
+        whole = Linear(torch.cat([p.dense(p.weight.dtype if p.scale is None else torch.float32) for p in parts]), quant_input=first.quant_input)
+    return whole, whole.split_rows(rows)
 
 
 def grouped_linear(x: torch.Tensor, whole: Linear, parts: list[Linear]) -> torch.Tensor:

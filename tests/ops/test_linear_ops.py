@@ -48,3 +48,17 @@ def test_parts_that_differ_are_refused():
         stack_rows([_fp8(32, 64, 32, g), _fp8(64, 64, 64, g)])  # blocks 32 and 64
     with pytest.raises(ValueError, match="stack_rows: the parts must share"):
         stack_rows([_fp8(32, 64, 32, g), Linear(torch.randn(32, 64))])  # compact and dense
+
+
+def test_split_rows_gives_views_of_whole_tiles_and_dequantises_partial_ones():
+    g = torch.Generator().manual_seed(7)
+    whole = _fp8(96, 64, 32, g)
+    parts = whole.split_rows([64, 32])
+    assert all(p.scale is not None for p in parts)
+    assert parts[1].weight.untyped_storage().data_ptr() == whole.weight.untyped_storage().data_ptr()
+    assert torch.equal(torch.cat([p.dense(torch.float32) for p in parts]), whole.dense(torch.float32))
+    uneven = whole.split_rows([48, 48])  # 48 rows: half a scale tile
+    assert all(p.scale is None for p in uneven)
+    assert torch.equal(torch.cat([p.weight for p in uneven]), whole.dense(torch.float32))
+    with pytest.raises(ValueError, match="split_rows: for projections with tile scales"):
+        Linear(whole.weight, torch.zeros(96, 2, dtype=torch.uint8), 32, row_scales=True).split_rows([48, 48])

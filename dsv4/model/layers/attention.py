@@ -206,18 +206,6 @@ def _proj(w: dict, name: str, cfg: ModelConfig) -> Linear:
     return Linear(w[f"{name}.weight"], w.get(f"{name}.scale"), cfg.weight_block_size, quant_input=cfg.fp8_activations)
 
 
-def _groups(wo_a: Linear, groups: int, block: int) -> list[Linear]:
-    """`wo_a` as one projection per output group (group g owns rows g*n/groups ..). Compact
-    FP8 weights keep their tile scales when the group rows are whole scale tiles; otherwise
-    (tiny test shapes) each group is dequantised once here rather than at every call."""
-    rows = wo_a.out_features // groups
-    if wo_a.scale is not None and rows % block == 0:
-        t = rows // block
-        return [Linear(wo_a.weight[g * rows : (g + 1) * rows], wo_a.scale[g * t : (g + 1) * t], block, quant_input=wo_a.quant_input)
-                for g in range(groups)]
-    return [Linear(part, quant_input=wo_a.quant_input) for part in wo_a.dense(wo_a.weight.dtype if wo_a.scale is None else torch.float32).split(rows)]
-
-
 class Compressor:
     """Pools `ratio` consecutive tokens into one entry (softmax gate, aligned to absolute
     positions); V4's ratio-4 variant overlaps each window with the previous window's first
@@ -336,12 +324,11 @@ class Attention:
         """`p`: the tensor-name prefix of this attention (`layers.{i}.attn.`, `mtp.{k}.attn.`)."""
         self.cfg, self.role, self.rope = cfg, role, rope
         self.v41 = cfg.arch == "v41"
-        b = cfg.weight_block_size
         self.wq_b = _proj(w, p + "wq_b", cfg)
         # wq_a and wkv read the same input: the fast path runs them as one GEMM (`project_in`)
         self.wq_a_kv, (self.wq_a, self.wkv) = stack_rows([_proj(w, p + "wq_a", cfg), _proj(w, p + "wkv", cfg)])
         self.wo_a, self.wo_b = _proj(w, p + "wo_a", cfg), _proj(w, p + "wo_b", cfg)
-        self.wo_a_groups = _groups(self.wo_a, cfg.o_groups, b)
+        self.wo_a_groups = self.wo_a.split_rows([self.wo_a.out_features // cfg.o_groups] * cfg.o_groups)  # one per output group
         self.q_norm, self.kv_norm = w[p + "q_norm.weight"], w[p + "kv_norm.weight"]
         self.sink = w[p + "attn_sink"]
         self.compressor = self.index_compressor = None
