@@ -70,6 +70,7 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "attention_prefill": 0.1,
     "indexer": 0.15,
     "kv_store": 0.08,
+    "rope": 0.03,
     "engram": 0.1,
     "mhc": 0.15,
     "gemm_sweep": 0.25,
@@ -1386,15 +1387,15 @@ class IndexerCache:
         return [q, weights, self.codes, self.scales, blocks.view(n_req, per_req).int(), row_req.int(), lengths.int(), IDX_PER_BLOCK, width, rows_entries]
 
 
-def indexer_candidates(visible: torch.Tensor, n_blocks: int, g: torch.Generator) -> torch.Tensor:
-    """A reindex row's entries: 2048 random candidate blocks of 8 among its visible entries,
-    ascending, expanded to 16384 entries (-1 for entries past the visible ones)."""
+def indexer_candidates(visible: torch.Tensor, n_blocks: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reindex row's candidates: 2048 random blocks of 8 among its visible entries,
+    ascending, and their 16384 entries (-1 for entries past the visible ones)."""
     t = visible.numel()
     nb = -(-visible // 8)
     keys = torch.rand(t, n_blocks, device="cuda", generator=g).masked_fill(torch.arange(n_blocks, device="cuda") >= nb.unsqueeze(1), 2.0)
     blocks = keys.topk(2048, dim=1, largest=False).indices.sort(dim=1).values
     entries = (blocks.unsqueeze(2) * 8 + torch.arange(8, device="cuda")).flatten(1)
-    return torch.where(entries < visible.unsqueeze(1), entries, -1).int()
+    return blocks, torch.where(entries < visible.unsqueeze(1), entries, -1).int()
 
 
 def scores_err(y: torch.Tensor, ref: torch.Tensor, lengths: torch.Tensor) -> float:
@@ -1537,7 +1538,13 @@ def indexer_prefill_case(cache: IndexerCache) -> None:
 
 def indexer_reindex_case(cache: IndexerCache, t: int, visible: torch.Tensor, n_req: int) -> None:
     """Reindex scoring of a 16384-entry candidate pool per row, then its top 512."""
-    entries = indexer_candidates(visible, -(-int(visible.max()) // 8), cache.g)
+    from dsv4.ops import indexer as ref_ops
+    from dsv4.ops.triton import indexer
+
+    blocks, entries = indexer_candidates(visible, -(-int(visible.max()) // 8), cache.g)
+    # the pool as the model builds it (one kernel), the same entries
+    record("pool_entries", f"reindex T={t}", "triton", ok=torch.equal(indexer.pool_entries(blocks, visible, 8), entries),
+           **perf(median_time(lambda: indexer.pool_entries(blocks, visible, 8), reps=10), blocks.numel() * 8 + entries.numel() * 4, 0, "bf16"))
     width = entries.shape[1]
     row_req = torch.arange(t, device="cuda") if n_req > 1 else torch.zeros(t, device="cuda")
     args = cache.args(n_req, int(visible.max()), row_req, torch.full((t,), width, device="cuda"), width, entries)
@@ -1546,6 +1553,8 @@ def indexer_reindex_case(cache: IndexerCache, t: int, visible: torch.Tensor, n_r
     label = f"reindex T={t} pool={width} of len<={int(visible.max())}"
     scores, _ = indexer_scores_case(label, args, distinct * IDX_KEY_BYTES)
     indexer_select_case(label, scores, args[6], 512)
+    same = torch.equal(indexer.topk_ascending(scores, args[6], 512, labels=entries), ref_ops.topk_ascending_reference(scores, args[6], 512, labels=entries))
+    record("topk_ascending", f"{label} labels=pool", "triton", ok=same, err=0.0 if same else 1.0)
 
 
 def indexer_invariance(cache: IndexerCache) -> None:
@@ -2068,6 +2077,30 @@ def mhc_config_case(t: int, a: dict, cfg: dict) -> None:
     record("mhc_config", f"T={t} " + " ".join(f"{k}={v}" for k, v in cfg.items()), "triton", err=err, **perf(t_k, nbytes, 0, "bf16"))
 
 
+def rope_case(t: int, kind: str) -> None:
+    """The RoPE tables' kernel against their torch code on the GPU: the same bits (both call
+    libdevice's cosf / sinf), V4.1-Flash's frequencies, positions to 1M."""
+    from dsv4.cache.reference_configs import released_v41_config
+    from dsv4.config import parse_config
+    from dsv4.ops import rope
+    from dsv4.ops.triton import rowwise
+
+    inv = rope.inv_freq(parse_config(released_v41_config()), kind).cuda()
+    positions = torch.randint(0, 1 << 20, (t,), device="cuda")
+    got, ref = rowwise.rope_tables(positions, inv, torch.bfloat16), rope.cos_sin(positions, inv, torch.bfloat16)
+    exact = all(torch.equal(a, b) for a, b in zip(got, ref))
+    nbytes = t * 8 + 2 * got[0].numel() * 2
+    record("rope_tables", f"T={t} {kind}", "triton", ok=exact, err=0.0 if exact else 1.0,
+           **perf(median_time(lambda: rowwise.rope_tables(positions, inv, torch.bfloat16)), nbytes, 0, "bf16"))
+    record("rope_tables", f"T={t} {kind}", "torch", **perf(median_time(lambda: rope.cos_sin(positions, inv, torch.bfloat16)), nbytes, 0, "bf16"))
+
+
+def section_rope() -> None:
+    for t in (1, 64, 8192, 131072):
+        for kind in ("main", "compress"):
+            guarded("rope_tables", f"T={t} {kind}", rope_case, t, kind)
+
+
 def section_mhc() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     for t in MHC_ROWS:
@@ -2319,6 +2352,9 @@ def compile_targets() -> list[tuple]:
     for inverse in (False, True):
         out.append((f"rope D=512 inverse={inverse}", rowwise._rope_kernel, rope, {"HALF": 32, "INVERSE": inverse, "BLOCK_V": rowwise.ROPE_BLOCK_V},
                     {"num_warps": 4, "enable_fp_fusion": False}))
+    tables = {"pos_ptr": "*i64:16", "inv_ptr": "*fp32:16", "cos_ptr": "*bf16:16", "sin_ptr": "*bf16:16", "T": i}
+    out.append(("rope_tables HALF=32", rowwise._rope_tables_kernel, tables, {"HALF": 32, "BLOCK_T": rowwise.ROPE_TABLE_BLOCK_T},
+                {"num_warps": 4, "enable_fp_fusion": False}))
     out.extend(attention_compile_targets())
     out.extend(kv_store_compile_targets())
     out.extend(engram_compile_targets())
@@ -2483,10 +2519,15 @@ def indexer_compile_targets() -> list[tuple]:
     block_max = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*fp32", "width": i, "stride_st": i, "stride_ot": i}
     bcfg = indexer.BLOCK_MAX_CONFIG
     out.append(("block_max block=8", indexer._block_max_kernel, block_max, {"BLOCK": 8, "TILE_BLOCKS": bcfg["TILE_BLOCKS"]}, {"num_warps": bcfg["num_warps"]}))
-    topk = {"v_ptr": "*fp32", "col_ptr": "*i32", "lengths_ptr": "*i32", "out_ptr": "*i32", "out_v_ptr": "*fp32", "width": i, "k": i, "chunk": i, "stride_v": i, "stride_c": i}
+    topk = {"v_ptr": "*fp32", "col_ptr": "*i32", "lengths_ptr": "*i32", "out_ptr": "*i32", "out_v_ptr": "*fp32", "labels_ptr": "*i32",
+            "width": i, "k": i, "chunk": i, "stride_v": i, "stride_c": i, "stride_l": i}
     tcfg = indexer.TOPK_CONFIG
     for stage in (0, 1, 2):
-        out.append((f"topk_ascending stage={stage}", indexer._topk_kernel, topk, {"STAGE": stage, "BLOCK": tcfg["BLOCK"]}, {"num_warps": tcfg["num_warps"]}))
+        for labels in (False, True) if stage != 1 else (False,):
+            out.append((f"topk_ascending stage={stage} labels={labels}", indexer._topk_kernel, topk,
+                        {"STAGE": stage, "BLOCK": tcfg["BLOCK"], "LABELS": labels}, {"num_warps": tcfg["num_warps"]}))
+    pool = {"cand_ptr": "*i32:16", "visible_ptr": "*i64:16", "out_ptr": "*i32:16", "n": i, "stride_ct": i, "stride_ot": i}
+    out.append(("pool_entries block=8", indexer._pool_entries_kernel, pool, {"BLOCK": 8, "TILE": indexer.POOL_TILE}, {"num_warps": 4}))
     return out
 
 

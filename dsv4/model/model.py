@@ -357,6 +357,8 @@ class _FastRows:
             for key in ("topk", "cand"):
                 if key in shared:
                     shared[key] = shared[key][keep]
+            if "pool" in shared:
+                shared["pool"] = tuple(t[keep] for t in shared["pool"])
         return keep
 
     def final(self) -> torch.Tensor:

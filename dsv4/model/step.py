@@ -37,28 +37,33 @@ class Rows:
     count: torch.Tensor  # [B] int64
     row0: torch.Tensor  # [B] int32
     floor: torch.Tensor  # [B] int64
-    # Tensors derived from the above that every layer needs (rope tables, ring targets,
-    # visible entries): made once per forward (`derived`), not once per layer. Cleared at the
-    # start of each forward, so a captured graph computes them inside itself.
+    # Per-row facts the layers index the caches with, built on the host with the rest (on the
+    # GPU each was a few small kernels per step: ~50 of a decode step's launches).
+    slot: torch.Tensor  # [R] int64 state slot of the row's request
+    ring_pos: torch.Tensor  # [R] int64 the row's place in its request's window ring (position % window)
+    ring_keep: torch.Tensor  # [R] bool: a key the ring keeps after this step (each real request's last `window` rows)
+    # per compress ratio (first axis: `ratios`; `by_ratio` picks one)
+    ratios: tuple[int, ...]
+    visible: torch.Tensor  # [NR, R] int64 compressed entries the row sees (complete groups to its position; padding: none)
+    entry_pos: torch.Tensor  # [NR, R] int64 the position of the row's entry (its group's first: the entry's RoPE angle)
+    in_group: torch.Tensor  # [NR, R] int64 the row's place in its group (position % ratio)
+    tail: torch.Tensor  # [NR, R] bool: a real row of its request's trailing incomplete group (kept in the slot's tail)
+    # RoPE tables every layer needs: made once per forward (`derived`), not once per layer.
+    # Cleared at the start of each forward, so a captured graph computes them inside itself.
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:
         return self.req.shape[0]
 
+    def by_ratio(self, name: str, ratio: int) -> torch.Tensor:
+        """A per-ratio field's row for compress ratio `ratio` (a view)."""
+        return getattr(self, name)[self.ratios.index(ratio)]
+
     def derived(self, key, make):
         if key not in self.memo:
             self.memo[key] = make()
         return self.memo[key]
-
-    def ring_write(self, window: int) -> torch.Tensor:
-        """[R] bool: the rows whose keys the window ring keeps after this step (each
-        request's last `window`)."""
-        def make():
-            req = self.req.long()
-            return self.write & (self.positions >= self.start[req] + self.count[req] - window)
-
-        return self.derived(("ring_write", window), make)
 
 
 @dataclass
@@ -90,7 +95,7 @@ class Step:
             if names is not None and f.name not in names:
                 continue
             if isinstance(value, Rows):
-                out += [(f"{f.name}.{g.name}", getattr(value, g.name)) for g in fields(value) if g.name != "memo"]
+                out += [(f"{f.name}.{g.name}", getattr(value, g.name)) for g in fields(value) if isinstance(getattr(value, g.name), torch.Tensor)]
             elif isinstance(value, torch.Tensor):
                 out.append((f.name, value))
         return out
@@ -180,18 +185,27 @@ def _with_tensors(step: Step, views: dict[str, torch.Tensor]) -> Step:
     return replace(step, **changes)
 
 
-def _rows(starts, counts, floors, write) -> Rows:
-    """Rows of requests at `starts` with `counts` rows each (lists or numpy arrays)."""
+def _rows(starts, counts, floors, write, slots, window: int, ratios: tuple[int, ...]) -> Rows:
+    """Rows of requests at `starts` with `counts` rows each (lists or numpy arrays; `slots` and
+    `write` per request)."""
     # numpy, then shared with torch: torch's CPU ops (tensor from a list, repeat_interleave)
     # cost 10-30 us each, most of a decode step's host time at 256 requests
     start, count = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
     row0 = np.cumsum(count) - count
     req = np.repeat(np.arange(len(counts), dtype=np.int64), count)
     local = np.arange(req.size, dtype=np.int64) - row0[req]
+    positions = start[req] + local
+    real = np.asarray(write, dtype=bool)[req]
+    end = (start + count)[req]
+    r = np.asarray(ratios, dtype=np.int64)[:, None]
+    entry_pos = positions - positions % r
     t = torch.from_numpy
     return Rows(
-        req=t(req.astype(np.int32)), positions=t(start[req] + local), local=t(local), write=t(np.asarray(write, dtype=bool)[req]),
+        req=t(req.astype(np.int32)), positions=t(positions), local=t(local), write=t(real),
         start=t(start), count=t(count), row0=t(row0.astype(np.int32)), floor=t(np.asarray(floors, dtype=np.int64)),
+        slot=t(np.asarray(slots, dtype=np.int64)[req]), ring_pos=t(positions % window), ring_keep=t(real & (positions >= end - window)),
+        ratios=tuple(ratios), visible=t(np.where(real, (positions + 1) // r, 0)), entry_pos=t(entry_pos),
+        in_group=t(positions - entry_pos), tail=t(real & (positions >= end - end % r)),
     )
 
 
@@ -215,15 +229,17 @@ def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: t
     padded = lambda values, pad: np.asarray(list(values) + list(pad), dtype=np.int64)
     starts, counts = padded(batch.start_pos, [0] * n_pad), padded(batch.num_tokens, pad_enc)
     write = np.arange(b + n_pad) < b
-    enc = _rows(starts, counts, padded(batch.window_floor, [0] * n_pad), write)
-    dec_floors = padded(batch.decoder_window_floor, [0] * n_pad)
+    slots = padded(batch.slots, [0] * n_pad)
+    rows = lambda starts, counts, floors: _rows(starts, counts, floors, write, slots, cfg.window, cfg.compress_ratio_set)
+    enc_floors, dec_floors = padded(batch.window_floor, [0] * n_pad), padded(batch.decoder_window_floor, [0] * n_pad)
+    enc = rows(starts, counts, enc_floors)
     real = counts[:b] if batch.decoder_tokens is None else np.minimum(np.asarray(batch.decoder_tokens, dtype=np.int64), counts[:b])
     kept = np.concatenate([real, np.asarray(pad_dec, dtype=np.int64)])
     keep = None
     if np.array_equal(kept, counts):
-        dec = _rows(starts, counts, dec_floors, write)
+        dec = rows(starts, counts, dec_floors)
     else:
-        dec = _rows(starts + counts - kept, kept, dec_floors, write)
+        dec = rows(starts + counts - kept, kept, dec_floors)
         keep = enc.row0.long()[dec.req.long()] + (dec.positions - enc.start[dec.req.long()])
     # logits rows: original flat rows -> rows of `dec` (each must have run the decoder)
     wanted = batch.logits_rows.cpu()
@@ -257,7 +273,6 @@ def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: t
     prev = torch.full((b + n_pad, look_back), -1, dtype=torch.long)
     prev[:b] = batch.prev_tokens.cpu()
     ids = torch.cat([batch.input_ids.cpu(), torch.zeros(sum(pad_enc), dtype=torch.long)])
-    slots = torch.from_numpy(padded(batch.slots, [0] * n_pad))
     emit = torch.from_numpy(padded(batch.emit_from, [1 << 62] * n_pad))
 
     def dev(t: torch.Tensor) -> torch.Tensor:
@@ -266,10 +281,10 @@ def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: t
         return t.to(device)
 
     def dev_rows(r: Rows) -> Rows:
-        return Rows(**{f.name: dev(getattr(r, f.name)) for f in fields(r) if f.name != "memo"})
+        return replace(r, memo={}, **{f.name: dev(v) for f in fields(r) if isinstance(v := getattr(r, f.name), torch.Tensor)})
 
     return Step(
-        input_ids=dev(ids), prev_tokens=dev(prev), block_tables=dev(table), slots=dev(slots), emit_from=dev(emit),
+        input_ids=dev(ids), prev_tokens=dev(prev), block_tables=dev(table), slots=dev(torch.from_numpy(slots)), emit_from=dev(emit),
         enc=dev_rows(enc), dec=dev_rows(dec), dec_keep=None if keep is None else dev(keep),
         logits_index=dev(logits_index), widths=widths,
     )

@@ -1,6 +1,6 @@
-"""The V4.1 indexer as three graph-safe ops (MODEL.md 2.4, "Indexer" and "Hierarchical
-candidates"): scores of a row's entries, block maxima (level one of the two-level top-k) and the
-ascending top-k. All per-row metadata (request, length, entry list) are device tensors of
+"""The V4.1 indexer as four graph-safe ops (MODEL.md 2.4, "Indexer" and "Hierarchical
+candidates"): scores of a row's entries, block maxima (level one of the two-level top-k), the
+ascending top-k and a Reindex layer's candidate pool. All per-row metadata (request, length, entry list) are device tensors of
 static shape, so a step can be captured in a CUDA graph.
 
 Each op runs its Triton kernel (`dsv4.ops.triton.indexer`, imported only then) when its tensors
@@ -95,18 +95,19 @@ def block_max_reference(scores: torch.Tensor, lengths: torch.Tensor, block: int)
     return maxima.masked_fill(torch.arange(n_blocks, device=scores.device) == newest.unsqueeze(1), float("inf"))
 
 
-def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int, labels: torch.Tensor | None = None) -> torch.Tensor:
     """The columns of the k largest scores[t, :lengths[t]] -> int32 [T, k]: ties go to the lower
     column, -inf is never picked (+inf is an ordinary largest value), sorted ascending, padded
-    with -1. Scores must not be NaN."""
+    with -1. Scores must not be NaN. labels int [T, width]: each pick's label labels[t, col]
+    instead of its column (still in column order; the -1 padding stays)."""
     if on_triton(scores):
         from dsv4.ops.triton import indexer
 
-        return indexer.topk_ascending(scores, lengths, k)
-    return topk_ascending_reference(scores, lengths, k)
+        return indexer.topk_ascending(scores, lengths, k, labels)
+    return topk_ascending_reference(scores, lengths, k, labels)
 
 
-def topk_ascending_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+def topk_ascending_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int, labels: torch.Tensor | None = None) -> torch.Tensor:
     """`Attention.select`'s selection: a stable descending sort (`topk_lowest_index_on_ties`),
     the first min(k, width), picks of -inf dropped, ascending, padded with -1 to k columns."""
     t, width = scores.shape
@@ -115,5 +116,26 @@ def topk_ascending_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int
     n = min(k, width)
     values, indices = masked.sort(dim=-1, descending=True, stable=True)
     picks = torch.where(values[:, :n] > float("-inf"), indices[:, :n], width).sort(dim=-1).values
-    picks = torch.where(picks < width, picks, -1)
-    return F.pad(picks, (0, k - n), value=-1).to(torch.int32)
+    picks = F.pad(torch.where(picks < width, picks, -1), (0, k - n), value=-1)
+    if labels is not None:
+        picks = torch.where(picks >= 0, labels.long().gather(1, picks.clamp_min(0)), -1)
+    return picks.to(torch.int32)
+
+
+def pool_entries(cand: torch.Tensor, visible: torch.Tensor, block: int) -> torch.Tensor:
+    """A Reindex layer's candidate pool (MODEL.md 2.4): the entries of the candidate blocks
+    cand int [T, n] (ascending, -1: none) -> int32 [T, n * block], column j * block + i holding
+    entry cand[t, j] * block + i, or -1 where there is no block or the entry is not visible
+    (>= visible[t]). Ascending where not -1, as `topk_ascending(..., labels=)` needs."""
+    if on_triton(cand):
+        from dsv4.ops.triton import indexer
+
+        return indexer.pool_entries(cand, visible, block)
+    return pool_entries_reference(cand, visible, block)
+
+
+def pool_entries_reference(cand: torch.Tensor, visible: torch.Tensor, block: int) -> torch.Tensor:
+    cand = cand.long()
+    entries = (cand.unsqueeze(-1) * block + torch.arange(block, device=cand.device)).flatten(1)
+    ok = (cand >= 0).repeat_interleave(block, dim=1) & (entries < visible.long().unsqueeze(1))
+    return torch.where(ok, entries, -1).to(torch.int32)

@@ -24,9 +24,25 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     are bitwise the same alone or batched, chunked or not (exact-mode prefix hits and
     batch-invariant greedy decoding rely on it)."""
     if x.dim() == 2 and x.shape[0] < MIN_GEMM_ROWS:
-        pad = x.new_zeros(MIN_GEMM_ROWS - x.shape[0], x.shape[1])
-        return F.linear(torch.cat([x, pad]), w)[: x.shape[0]]
+        return F.linear(torch.cat([x, _zero_rows(x)[: MIN_GEMM_ROWS - x.shape[0]]]), w)[: x.shape[0]]
     return F.linear(x, w)
+
+
+_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _zero_rows(x: torch.Tensor) -> torch.Tensor:
+    """MIN_GEMM_ROWS zero rows like x's, made once per (device, dtype, width): the padding is
+    then one launch (the cat), not two, at every decode-sized call. Never kept from inside a
+    CUDA-graph capture, whose kernels do not run then (the rows would stay unwritten outside
+    the graph)."""
+    key = (x.device, x.dtype, x.shape[1])
+    zeros = _ZERO_ROWS.get(key)
+    if zeros is None:
+        zeros = x.new_zeros(MIN_GEMM_ROWS, x.shape[1])
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _ZERO_ROWS[key] = zeros
+    return zeros
 
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,19 @@ class RopeTables:
         self.dtype = dtype
 
     def cos_sin(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv[kind]
-        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        """positions [T] -> cos, sin [T, rope_dim / 2]."""
+        if on_triton(positions) and positions.dim() == 1:  # one launch instead of six
+            from dsv4.ops.triton.rowwise import rope_tables
+
+            return rope_tables(positions, self.inv[kind], self.dtype)
+        return cos_sin(positions, self.inv[kind], self.dtype)
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE tables' torch code: angles position x inv_freq in fp32, their cos / sin rounded
+    to `dtype` (`dsv4.ops.triton.rowwise.rope_tables` is its kernel)."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -18,7 +18,8 @@ def _patch_interpreter() -> None:
     with numpy 2.4 (loop bounds derived from program ids); (2) `tl.dot` of bf16 operands
     multiplies their raw uint16 bit patterns; (3) fp32 -> bf16 casts truncate instead of
     rounding to nearest even; (4) libdevice's functions are not interpreted at all: `exp`
-    (the compressor's, CUDA's expf on the GPU) becomes the interpreter's `tl.exp`, numpy's."""
+    (the compressor's, CUDA's expf on the GPU) becomes the interpreter's `tl.exp`, numpy's, and
+    so do `cos` / `sin` (the RoPE tables')."""
     import numpy as np
     import triton.language as tl
     from triton.language.extra import libdevice
@@ -52,6 +53,8 @@ def _patch_interpreter() -> None:
         return cast_impl(self, src, dst_type)
 
     libdevice.exp = lambda x: tl.exp(x)
+    libdevice.cos = lambda x: tl.cos(x)
+    libdevice.sin = lambda x: tl.sin(x)
     interp._patch_lang_tensor = patched_tensor
     interp.InterpreterBuilder.create_dot = patched_dot
     interp.InterpreterBuilder.cast_impl = patched_cast

@@ -321,6 +321,56 @@ def test_topk_kernel_split_rows(monkeypatch, chunk_per_k, k):
         assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k).cpu(), ref)
 
 
+@pytest.mark.parametrize("k", [1, 40, 700])
+def test_topk_labels_are_the_picked_columns_labels(k):
+    """labels: each pick's label instead of its column, the -1 padding kept (kernel: one
+    program per row and split rows)."""
+    lengths = torch.tensor(TOPK_LENGTHS)
+    scores = _radix_scores(11, len(TOPK_LENGTHS), 2500)
+    labels = (torch.arange(2500) * 3 + 7).int().expand(len(TOPK_LENGTHS), -1) + torch.arange(len(TOPK_LENGTHS)).int()[:, None] * 10000
+    cols = ops.topk_ascending_reference(scores, lengths, k).long()
+    want = torch.where(cols >= 0, labels.long().gather(1, cols.clamp_min(0)), -1).int()
+    assert torch.equal(ops.topk_ascending_reference(scores, lengths, k, labels), want)
+    assert (want >= 0).any() and (want < 0).any()
+    if tk is not None:
+        assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=512, CHUNK_PER_K=2))
+            m.setattr(tk, "num_sms", lambda device: 1000)
+            assert tk.topk_chunks(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE))[1] > 1
+            assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
+
+
+def test_pool_entries_reference_matches_definition():
+    cand = torch.tensor([[0, 2, 5, -1], [1, -1, -1, -1], [-1, -1, -1, -1]])
+    visible = torch.tensor([43, 12, 100])
+    pool = ops.pool_entries_reference(cand, visible, 8)
+    assert pool.dtype == torch.int32 and pool.shape == (3, 32)
+    for t in range(3):
+        for j in range(4):
+            for i in range(8):
+                e = int(cand[t, j]) * 8 + i
+                assert int(pool[t, j * 8 + i]) == (e if cand[t, j] >= 0 and e < visible[t] else -1)
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [3, 300])
+def test_pool_entries_kernel_matches_reference(n):
+    g = torch.Generator().manual_seed(n)
+    t = 5
+    cand = torch.sort(torch.randint(0, 4 * n, (t, n), generator=g), dim=1).values
+    cand[1, n // 2 :] = -1
+    cand[2] = -1
+    visible = torch.randint(0, 32 * n, (t,), generator=g)
+    ref = ops.pool_entries_reference(cand, visible, 8)
+    for c in (cand, cand.int()):
+        assert torch.equal(tk.pool_entries(*_dev(c, visible), 8).cpu(), ref)
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        tk.pool_entries(*_dev(cand, visible), 6)
+    with pytest.raises(ValueError, match="visible must be int32/int64"):
+        tk.pool_entries(*_dev(cand, visible[:2]), 8)
+
+
 # ----------------------------------------------------------------------------------- contract
 
 
@@ -350,6 +400,8 @@ def test_kernel_wrappers_reject_bad_arguments():
         tk.topk_ascending(scores.half(), lengths, 4)
     with pytest.raises(ValueError, match="lengths must be int32/int64 \\[2\\]"):
         tk.topk_ascending(scores, lengths[:1], 4)
+    with pytest.raises(ValueError, match="labels must be int32 \\[2, 16\\]"):
+        tk.topk_ascending(scores, lengths, 4, lengths.new_zeros(2, 15).int())
 
 
 def test_indexer_module_imports_without_triton():

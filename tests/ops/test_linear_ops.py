@@ -1,9 +1,9 @@
-"""`ops.linear.stack_rows`: projections of one input as one GEMM, the parts as views of it."""
+"""`ops.linear`: the few-row padding of `linear`; `stack_rows`: projections of one input as one GEMM, the parts as views of it."""
 
 import pytest
 import torch
 
-from dsv4.ops.linear import Linear, stack_rows
+from dsv4.ops.linear import MIN_GEMM_ROWS, Linear, _zero_rows, linear, stack_rows
 
 
 def _fp8(rows: int, cols: int, block: int, g: torch.Generator) -> Linear:
@@ -62,3 +62,16 @@ def test_split_rows_gives_views_of_whole_tiles_and_dequantises_partial_ones():
     assert torch.equal(torch.cat([p.weight for p in uneven]), whole.dense(torch.float32))
     with pytest.raises(ValueError, match="split_rows: for projections with tile scales"):
         Linear(whole.weight, torch.zeros(96, 2, dtype=torch.uint8), 32, row_scales=True).split_rows([48, 48])
+
+
+def test_few_row_calls_are_padded_to_the_gemm_rows():
+    """`linear` pads calls of fewer than MIN_GEMM_ROWS rows with shared zero rows: each row
+    has the bits it has in a full call, and the shared rows stay zero."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(MIN_GEMM_ROWS, 40, generator=g).bfloat16(), torch.randn(24, 40, generator=g).bfloat16()
+    full = linear(x, w)
+    for n in (1, 5, MIN_GEMM_ROWS - 1):
+        out = linear(x[:n], w)
+        assert out.shape == (n, 24) and torch.equal(out, full[:n])
+    assert torch.equal(_zero_rows(x), torch.zeros(MIN_GEMM_ROWS, 40).bfloat16())
+    assert _zero_rows(x) is _zero_rows(x[:3])  # one per device, dtype and width

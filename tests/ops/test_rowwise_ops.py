@@ -1,4 +1,4 @@
-"""The row-wise Triton kernels (RMSNorm, RoPE) against the torch references, in Triton's
+"""The row-wise Triton kernels (RMSNorm, RoPE and its tables) against the torch references, in Triton's
 interpreter on CPU (tests/ops/conftest.py), on random non-zero bf16 inputs."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4.config import parse_config
 from dsv4.ops import norm, rope
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -60,6 +61,32 @@ def test_rope_matches_reference(shape, half, inverse):
     assert torch.equal(rope.apply_rope_(x.clone(), cos, sin, inverse), ref)
 
 
+@pytest.mark.parametrize("kind", ["main", "compress"])
+def test_rope_tables_match_reference(kind):
+    """V4.1-Flash's frequencies (YaRN on the compressed kind) at positions to 1M. The GPU gives
+    the same bits (the same libdevice cosf / sinf: scripts/check_kernels.py `rope_tables`); the
+    interpreter's numpy cos / sin may round an angle's fp32 value the other way, moving a
+    table entry by one bf16 unit now and then."""
+    from dsv4.cache.reference_configs import released_v41_config
+
+    cfg = parse_config(released_v41_config())
+    inv = rope.inv_freq(cfg, kind)
+    g = torch.Generator().manual_seed(len(kind))
+    positions = torch.cat([torch.arange(300), torch.randint(0, 1 << 20, (700,), generator=g)])
+    cos_ref, sin_ref = rope.cos_sin(positions, inv, torch.bfloat16)
+    cos, sin = rowwise.rope_tables(positions.to(DEVICE), inv.to(DEVICE), torch.bfloat16)
+    assert cos.shape == (1000, cfg.rope_dim // 2) and cos.dtype == sin.dtype == torch.bfloat16
+    for got, ref in ((cos, cos_ref), (sin, sin_ref)):
+        assert _ulps(got, ref) <= 1
+        assert (got.cpu() == ref).float().mean() > 0.99
+    # grouped positions (a compressed entry's angle) are just positions: any int dtype, any order
+    cos32, _ = rowwise.rope_tables(positions.flip(0).int().to(DEVICE), inv.to(DEVICE), torch.bfloat16)
+    assert torch.equal(cos32.flip(0), cos)
+    # the model's entry point serves CPU tensors with the torch code
+    tables = rope.RopeTables(cfg, torch.bfloat16, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(tables.cos_sin(positions, kind), (cos_ref, sin_ref)))
+
+
 def test_bad_shapes_are_refused():
     x = torch.randn(4, 64).bfloat16()
     with pytest.raises(ValueError, match="weight must be"):
@@ -68,3 +95,5 @@ def test_bad_shapes_are_refused():
         rowwise.apply_rope_(x, torch.ones(4, 12), torch.ones(4, 12))
     with pytest.raises(ValueError, match="unit channel stride"):
         rowwise.apply_rope_(torch.randn(4, 64, 2).bfloat16()[..., 0], torch.ones(4, 8), torch.ones(4, 8))
+    with pytest.raises(ValueError, match="rope_tables: positions"):
+        rowwise.rope_tables(torch.arange(4), torch.ones(12), torch.bfloat16)

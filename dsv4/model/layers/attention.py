@@ -308,12 +308,7 @@ class Compressor:
         tail_kv, tail_gate = cache.tail_kv[layer, self.state], cache.tail_gate[layer, self.state]
         out = compressor_ops.compress_entries(kv_all, gate_all, tail_kv, tail_gate, *common)
         # after the pooling read the tails: the trailing incomplete group of each request
-        def tail_rows():
-            req = rows.req.long()
-            end = rows.start[req] + rows.count[req]
-            return rows.write & (rows.positions >= end - end % r), (step.slots[req], rows.positions % r)
-
-        pending, where = rows.derived(("tail_rows", r), tail_rows)
+        pending, where = rows.by_ratio("tail", r), (rows.slot, rows.by_ratio("in_group", r))
         kvops.store_plain(tail_kv, where, kv_all, pending)
         kvops.store_plain(tail_gate, where, gate_all, pending)
         return out
@@ -532,7 +527,7 @@ class Attention:
         layer, r = self.role.index, self.role.compress_ratio
         # each row's entry position is its group's first (ratio 1: its own, the indexer's angles)
         cos, sin = rows.derived(("rope", "compress") if r == 1 else ("rope", "compress", r),
-                                lambda: self.rope.cos_sin(rows.positions - rows.positions % r, "compress"))
+                                lambda: self.rope.cos_sin(rows.by_ratio("entry_pos", r), "compress"))
         latent, where, emit = self.compressor.fast(x, rows, step, cache, layer, cos, sin)
         keys = self.norm(linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)  # from the PRE-RoPE latent
         kvops.store_rows(cache.idx[layer], "idx", apply_rope_(keys, cos, sin), where, emit)
@@ -541,7 +536,8 @@ class Attention:
         """The indexer on device metadata: FP4 scores of every visible entry (reindex layers:
         of the candidate pool only), the top-k as ascending entry indices (-1 = none), and at
         the candidate source the kept candidate blocks, ascending. Publishes shared["topk"]
-        [R, k] and shared["cand"] [R, n_blocks]."""
+        [R, k] and shared["cand"] [R, n_blocks]; the first Reindex layer shared["pool"] (the
+        candidate pool's entries and its width per row, for the others)."""
         cfg, role = self.cfg, self.role
         r = role.compress_ratio
         keys = cache.idx[role.kv_source]
@@ -550,7 +546,7 @@ class Attention:
         q = kvops.round_trip(keys, apply_rope_(self.idx_wq_b(q_res).view(-1, ih, ihd), cos, sin), "idx")  # QAT: FP4 query
         weights = linear(x, self.idx_weights.to(x.dtype)).float() * ih**-0.5
         # padding rows own no blocks: they see none
-        visible = rows.derived(("visible", r), lambda: torch.where(rows.write, (rows.positions + 1) // r, 0))
+        visible = rows.by_ratio("visible", r)
         width = step.widths[r]
         k = min(cfg.index_topk, width)
         if k == 0:
@@ -563,15 +559,12 @@ class Attention:
                                           entries=None if entries is None else entries[c])
 
         if role.uses_candidates and "cand" in shared:
-            cbs = cfg.candidate_block_size
-            cand = shared["cand"].long()
-            entries = (cand.unsqueeze(-1) * cbs + torch.arange(cbs, device=x.device)).flatten(1)
-            pool_ok = (cand >= 0).repeat_interleave(cbs, dim=1) & (entries < visible.unsqueeze(1))
-            entries = torch.where(pool_ok, entries, -1)
-            full = torch.full_like(visible, entries.shape[1])
+            if "pool" not in shared:  # the candidate pool's entries, the same for every Reindex layer of the step
+                entries = index_ops.pool_entries(shared["cand"], visible, cfg.candidate_block_size)
+                shared["pool"] = entries, torch.full_like(visible, entries.shape[1])
+            entries, full = shared["pool"]
             scores = _by_rows(lambda c: scored(c, full, entries.shape[1], entries), rows.num_rows, entries.shape[1])
-            cols = index_ops.topk_ascending(scores, full, k).long()
-            shared["topk"] = torch.where(cols >= 0, entries.gather(1, cols.clamp_min(0)), -1).int()  # the pool is ascending
+            shared["topk"] = index_ops.topk_ascending(scores, full, k, labels=entries)  # the pool is ascending
             return
         scores = _by_rows(lambda c: scored(c, visible, width), rows.num_rows, width)
         shared["topk"] = index_ops.topk_ascending(scores, visible, k)
@@ -599,8 +592,7 @@ class Attention:
             q, kv, ring.codes, ring.scales, ckv.codes, ckv.scales, topk, rows.req, rows.positions, rows.start,
             rows.row0, step.slots, rows.floor, step.block_tables, self.sink, hd**-0.5,
         )
-        where = rows.derived("ring_where", lambda: (step.slots[rows.req.long()], rows.positions % cfg.window))
-        kvops.store_rows(ring, "window", kv, where, rows.ring_write(cfg.window))  # after attention: queries read the old ring
+        kvops.store_rows(ring, "window", kv, (rows.slot, rows.ring_pos), rows.ring_keep)  # after attention: queries read the old ring
         return self.project_out(apply_rope_(out, cos, sin, inverse=True))
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:

@@ -378,12 +378,13 @@ def _radix_threshold(v_ptr, lo, hi, k, BLOCK: tl.constexpr):
 
 @triton.jit
 def _topk_kernel(
-    v_ptr, col_ptr, lengths_ptr, out_ptr, out_v_ptr, width, k, chunk, stride_v, stride_c,
-    STAGE: tl.constexpr, BLOCK: tl.constexpr,
+    v_ptr, col_ptr, lengths_ptr, out_ptr, out_v_ptr, labels_ptr, width, k, chunk, stride_v, stride_c, stride_l,
+    STAGE: tl.constexpr, BLOCK: tl.constexpr, LABELS: tl.constexpr,
 ):
     """STAGE 0: the top k of a whole row -> out [T, k]. STAGE 1: of chunk s of the row (columns
     s*chunk ..) -> columns and scores out[t*S + s, :k]. STAGE 2: of the candidates row t of
-    stage 1 left (cdiv(length, chunk) chunks of k, in column order) -> their columns, out [T, k]."""
+    stage 1 left (cdiv(length, chunk) chunks of k, in column order) -> their columns, out [T, k].
+    LABELS (stages 0 and 2): each picked column's label labels[t, col] is stored instead."""
     t = tl.program_id(0).to(tl.int64)
     length = tl.minimum(tl.load(lengths_ptr + t).to(tl.int32), width)
     if STAGE == 1:
@@ -414,6 +415,8 @@ def _topk_kernel(
             col = tl.load(col_ptr + t * stride_c + c, mask=pick, other=-1)
         else:
             col = c
+        if LABELS and STAGE != 1:
+            col = tl.load(labels_ptr + t * stride_l + col, mask=pick, other=-1)
         tl.store(out_ptr + out_row * k + slot, col, mask=pick)
         if STAGE == 1:
             tl.store(out_v_ptr + out_row * k + slot, v, mask=pick)
@@ -442,15 +445,17 @@ def topk_chunks(rows: int, width: int, k: int, device: torch.device) -> tuple[in
     return chunk, chunks
 
 
-def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """Triton `dsv4.ops.indexer.topk_ascending`: int32 [T, k], picked columns ascending, -1
-    padded. Scores must not be NaN (a NaN column is never picked; the reference would count it
-    among the top k and then drop it)."""
+def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton `dsv4.ops.indexer.topk_ascending`: int32 [T, k], picked columns (or their
+    labels) ascending, -1 padded. Scores must not be NaN (a NaN column is never picked; the
+    reference would count it among the top k and then drop it)."""
     op = "topk_ascending"
     if scores.dim() != 2 or scores.dtype != torch.float32:
         _fail(op, "scores", "float32 [T, width]", _describe(scores))
     t, width = scores.shape
     _check_index(op, "lengths", lengths, (t,))
+    if labels is not None and (labels.dtype != torch.int32 or tuple(labels.shape) != (t, width)):
+        _fail(op, "labels", f"int32 [{t}, {width}]", _describe(labels))
     if k < 0:
         _fail(op, "k", ">= 0", k)
     out = torch.empty(t, k, dtype=torch.int32, device=scores.device)
@@ -458,14 +463,49 @@ def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch
         return out
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     lengths = lengths.contiguous()
+    lab = out if labels is None else (labels if labels.stride(-1) == 1 else labels.contiguous())
     cfg = TOPK_CONFIG
-    opts = {"BLOCK": cfg["BLOCK"], "num_warps": cfg["num_warps"]}
+    opts = {"BLOCK": cfg["BLOCK"], "num_warps": cfg["num_warps"], "LABELS": labels is not None}
     chunk, chunks = topk_chunks(t, width, k, scores.device)
     if chunks == 1:
-        _topk_kernel[(t, 1)](scores, out, lengths, out, out, width, k, width, scores.stride(0), 0, STAGE=0, **opts)
+        _topk_kernel[(t, 1)](scores, out, lengths, out, out, lab, width, k, width, scores.stride(0), 0, lab.stride(0), STAGE=0, **opts)
         return out
     cand = torch.empty(t * chunks, k, dtype=torch.int32, device=scores.device)
     cand_v = torch.empty(t * chunks, k, dtype=torch.float32, device=scores.device)
-    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, width, k, chunk, scores.stride(0), 0, STAGE=1, **opts)
-    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, width, k, chunk, chunks * k, chunks * k, STAGE=2, **opts)
+    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, lab, width, k, chunk, scores.stride(0), 0, lab.stride(0), STAGE=1, **opts)
+    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, lab, width, k, chunk, chunks * k, chunks * k, lab.stride(0), STAGE=2, **opts)
+    return out
+
+
+# ----------------------------------------------------------------------------- candidate pool
+
+
+@triton.jit
+def _pool_entries_kernel(cand_ptr, visible_ptr, out_ptr, n, stride_ct, stride_ot, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * TILE + tl.arange(0, TILE)  # candidate block of the row
+    blocks = tl.load(cand_ptr + t * stride_ct + j, mask=j < n, other=-1).to(tl.int64)
+    entries = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    ok = (blocks >= 0)[:, None] & (entries < tl.load(visible_ptr + t).to(tl.int64))
+    cols = j[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    tl.store(out_ptr + t * stride_ot + cols, tl.where(ok, entries, -1).to(tl.int32), mask=(j < n)[:, None])
+
+
+POOL_TILE = 256  # candidate blocks per program
+
+
+def pool_entries(cand: torch.Tensor, visible: torch.Tensor, block: int) -> torch.Tensor:
+    """Triton `dsv4.ops.indexer.pool_entries` (one launch; the torch code is ~10)."""
+    op = "pool_entries"
+    if cand.dim() != 2 or cand.dtype not in (torch.int32, torch.int64):
+        _fail(op, "cand", "int32/int64 [T, n_blocks]", _describe(cand))
+    t, n = cand.shape
+    _check_index(op, "visible", visible, (t,))
+    if block < 1 or block & (block - 1):
+        _fail(op, "block", "a power of two", block)
+    out = torch.empty(t, n * block, dtype=torch.int32, device=cand.device)
+    if t and n:
+        cand = cand if cand.stride(-1) == 1 else cand.contiguous()
+        _pool_entries_kernel[(t, triton.cdiv(n, POOL_TILE))](cand, visible.contiguous(), out, n, cand.stride(0), out.stride(0),
+                                                               BLOCK=block, TILE=POOL_TILE, num_warps=4)
     return out

@@ -1,4 +1,5 @@
-"""Row-wise ops of the fast path in one kernel each (H200): RMSNorm and interleaved-pair RoPE.
+"""Row-wise ops of the fast path in one kernel each (H200): RMSNorm, interleaved-pair RoPE and
+its cos / sin tables.
 
 In torch each is 6-10 small kernels (casts, square, mean, rsqrt, products; slices, stack,
 cat), which in a decode step costs far more in launches than in bytes. Same numerics as the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -96,3 +98,36 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
             HALF=half, INVERSE=inverse, BLOCK_V=ROPE_BLOCK_V, num_warps=4,
             enable_fp_fusion=False)  # no multiply-add contraction: the reference rounds each product
     return x
+
+
+@triton.jit
+def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    """cos / sin [T, HALF] of angle position x inv_freq, in fp32, rounded to the tables'
+    dtype: the reference's operations (an fp32 product, then libdevice's cosf / sinf, which
+    torch's CUDA cos / sin call too, not the approximate hardware ones), so the same bits."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = (t < T)[:, None]
+    angle = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)[:, None] * tl.load(inv_ptr + tl.arange(0, HALF))[None, :]
+    out = t.to(tl.int64)[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    tl.store(cos_ptr + out, libdevice.cos(angle).to(cos_ptr.dtype.element_ty), mask=ok)
+    tl.store(sin_ptr + out, libdevice.sin(angle).to(sin_ptr.dtype.element_ty), mask=ok)
+
+
+ROPE_TABLE_BLOCK_T = 32
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions int [T], inv_freq fp32 [HALF] (a power of two) -> cos, sin [T, HALF] in
+    `dtype`: one launch (the torch code is six: cast, product, cos, sin and two roundings)."""
+    half = inv_freq.shape[0]
+    if positions.dim() != 1 or inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or half & (half - 1):
+        raise ValueError(f"rope_tables: positions [T] and float32 inv_freq [HALF] (HALF a power of two), got {list(positions.shape)} / "
+                         f"{inv_freq.dtype} {list(inv_freq.shape)}")
+    t = positions.shape[0]
+    cos = torch.empty(t, half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if t:
+        _rope_tables_kernel[(triton.cdiv(t, ROPE_TABLE_BLOCK_T),)](positions.contiguous(), inv_freq.contiguous(), cos, sin, t,
+                                                                    HALF=half, BLOCK_T=ROPE_TABLE_BLOCK_T, num_warps=4,
+                                                                    enable_fp_fusion=False)
+    return cos, sin
