@@ -115,29 +115,34 @@ class StepBuffer:
 
     _ALIGN = 16
 
-    def __init__(self, step: Step, names: tuple[str, ...] | None = None):
+    def __init__(self, step: Step, names: tuple[str, ...] | None = None, device: torch.device | None = None):
+        """`step` on the host (or, for tests, on the device itself); `device`: where the buffer
+        lives (default: the step's)."""
         self.names = names
         held = step.named_tensors(names)
+        device = step.slots.device if device is None else torch.device(device)
         spans, total = [], 0
         for label, t in held:
             align = max(self._ALIGN, t.element_size())
             total = -(-total // align) * align
             spans.append((label, total, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
             total += spans[-1][2]
-        self.spans, device = spans, step.slots.device
+        self.spans = spans
         size = -(-max(total, 1) // self._ALIGN) * self._ALIGN
         self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
         on_cuda = device.type == "cuda"
         self.staging = torch.zeros(size, dtype=torch.uint8, pin_memory=on_cuda)
         # recorded after each copy: until it completes, that copy may still read the staging buffer
         self.copied = torch.cuda.Event() if on_cuda else None
-        views = {}
-        for (label, off, n, _, _), (_, t) in zip(spans, held):
-            views[label] = self._view(self.buffer, off, n, t)
-            views[label].copy_(t)
+        views = {label: self._view(self.buffer, off, n, t) for (label, off, n, _, _), (_, t) in zip(spans, held)}
         self.step = _with_tensors(step, views)
         # numpy views of the staging buffer: filling them costs ~1 us a field, a torch copy ~10
         self.host_views = [self._view(self.staging, off, n, t).numpy() for (_, off, n, _, _), (_, t) in zip(spans, held)]
+        if all(t.device.type == "cpu" for _, t in held):
+            self.load(step)
+        else:  # a step already on the device (a graph's padding step)
+            for view, (_, t) in zip(views.values(), held):
+                view.copy_(t)
 
     @staticmethod
     def _view(buf: torch.Tensor, offset: int, nbytes: int, like: torch.Tensor) -> torch.Tensor:
@@ -218,7 +223,8 @@ def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: t
     logits rows (a count for all or one per padding request; default: all, decode buckets); `max_blocks` widens the block tables (and with
     them the indexer score tables) to a fixed capacity, so that steps of any context length
     fit one captured shape (a graph's step is refilled from a CPU build: `StepBuffer`). Built from host data:
-    give the batch CPU tensors, or its device tensors are read back (a synchronisation)."""
+    give the batch CPU tensors, or its device tensors are read back (a synchronisation); on
+    another device the fields are views of one buffer, filled by one copy."""
     device = torch.device(device)
     b, n_pad = batch.num_requests, pad_requests
     pad_enc = [pad_rows] * n_pad if isinstance(pad_rows, int) else list(pad_rows)
@@ -275,16 +281,11 @@ def build_step(batch: ForwardBatch, cfg: ModelConfig, block_size: int, device: t
     ids = torch.cat([batch.input_ids.cpu(), torch.zeros(sum(pad_enc), dtype=torch.long)])
     emit = torch.from_numpy(padded(batch.emit_from, [1 << 62] * n_pad))
 
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        if device.type == "cuda":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t.to(device)
-
-    def dev_rows(r: Rows) -> Rows:
-        return replace(r, memo={}, **{f.name: dev(v) for f in fields(r) if isinstance(v := getattr(r, f.name), torch.Tensor)})
-
-    return Step(
-        input_ids=dev(ids), prev_tokens=dev(prev), block_tables=dev(table), slots=dev(torch.from_numpy(slots)), emit_from=dev(emit),
-        enc=dev_rows(enc), dec=dev_rows(dec), dec_keep=None if keep is None else dev(keep),
-        logits_index=dev(logits_index), widths=widths,
+    host = Step(
+        input_ids=ids, prev_tokens=prev, block_tables=table, slots=torch.from_numpy(slots), emit_from=emit,
+        enc=enc, dec=dec, dec_keep=keep, logits_index=logits_index, widths=widths,
     )
+    if device.type == "cpu":
+        return host
+    # one packed copy of every field (a pinned copy per field cost the eager step ~1 ms of host time)
+    return StepBuffer(host, device=device).step
