@@ -49,6 +49,7 @@ PROJECTIONS = [
     ("wq_a+wkv", 1792, 5120, 32),  # the two stacked, as the fast path runs them (`Attention.project_in`)
     ("wq_a", 1280, 5120, 32),  # wq_a and wkv alone: what the stacking saves
     ("wq_b", 32768, 1280, 32),
+    ("wq_b+indexer.wq_b", 36864, 1280, 32),  # the indexer layers' stacked query projections (`Attention.forward_fast`)
     ("wkv", 512, 5120, 32),
     ("wo_a.group", 1024, 4096, 32),
     ("wo_b", 5120, 8192, 32),

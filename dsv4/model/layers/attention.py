@@ -335,8 +335,10 @@ class Attention:
                 self.idx_k_norm = w[p + "indexer.k_norm.weight"]
             elif role.kind == "csa":
                 self.index_compressor = Compressor(w, p + "indexer.compressor.", cfg, r, cfg.index_head_dim, True, "idx")
+        self.wq_b_idx = None
         if role.runs_indexer:
-            self.idx_wq_b = _proj(w, p + "indexer.wq_b", cfg)
+            # wq_b and the indexer's wq_b read the same q_res: the fast path runs them as one GEMM
+            self.wq_b_idx, (self.wq_b, self.idx_wq_b) = stack_rows([self.wq_b, _proj(w, p + "indexer.wq_b", cfg)])
             self.idx_weights = w[p + "indexer.weights_proj.weight"]
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -532,8 +534,9 @@ class Attention:
         keys = self.norm(linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)  # from the PRE-RoPE latent
         kvops.store_rows(cache.idx[layer], "idx", apply_rope_(keys, cos, sin), where, emit)
 
-    def select_fast(self, x: torch.Tensor, q_res: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> None:
-        """The indexer on device metadata: FP4 scores of every visible entry (reindex layers:
+    def select_fast(self, x: torch.Tensor, idx_q: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> None:
+        """The indexer on device metadata (idx_q: the indexer's query projection of q_res, [R,
+        index_n_heads * index_head_dim]): FP4 scores of every visible entry (reindex layers:
         of the candidate pool only), the top-k as ascending entry indices (-1 = none), and at
         the candidate source the kept candidate blocks, ascending. Publishes shared["topk"]
         [R, k] and shared["cand"] [R, n_blocks]; the first Reindex layer shared["pool"] (the
@@ -543,7 +546,7 @@ class Attention:
         keys = cache.idx[role.kv_source]
         ih, ihd = cfg.index_n_heads, cfg.index_head_dim
         cos, sin = rows.derived(("rope", "compress"), lambda: self.rope.cos_sin(rows.positions, "compress"))
-        q = kvops.round_trip(keys, apply_rope_(self.idx_wq_b(q_res).view(-1, ih, ihd), cos, sin), "idx")  # QAT: FP4 query
+        q = kvops.round_trip(keys, apply_rope_(idx_q.view(-1, ih, ihd), cos, sin), "idx")  # QAT: FP4 query
         weights = linear(x, self.idx_weights.to(x.dtype)).float() * ih**-0.5
         # padding rows own no blocks: they see none
         visible = rows.by_ratio("visible", r)
@@ -578,12 +581,16 @@ class Attention:
         h, hd = cfg.num_heads, cfg.head_dim
         cos, sin = rows.derived(("rope", role.rope), lambda: self.rope.cos_sin(rows.positions, role.rope))
         q_res, kv = self.project_in(x)
-        q = apply_rope_(self.wq_b(q_res).view(-1, h, hd), cos, sin)
+        if self.wq_b_idx is not None:  # the indexer's query projection in the same GEMM
+            q, idx_q = self.wq_b_idx(q_res).split([self.wq_b.out_features, self.idx_wq_b.out_features], dim=-1)
+        else:
+            q, idx_q = self.wq_b(q_res), None
+        q = apply_rope_(q.view(-1, h, hd), cos, sin)
         ring = cache.ring[role.index]
         kv = kvops.round_trip(ring, apply_rope_(kv, cos, sin), "window")  # QAT: FP8
         if role.runs_indexer:
             with section("indexer"):
-                self.select_fast(x, q_res, rows, step, cache, shared)
+                self.select_fast(x, idx_q, rows, step, cache, shared)
         if role.kv_source is not None and role.index_source is not None and "topk" in shared:
             topk, ckv = shared["topk"], cache.ckv[role.kv_source]
         else:
