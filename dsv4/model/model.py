@@ -7,7 +7,7 @@ encoder-decoder split (V4.1); per-site `pre`, the final `hc_head`, hash-routed M
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,8 @@ class Carry:
     pre: torch.Tensor
     hashes: torch.Tensor | None
     shared: dict
+    # engram layer -> its values (`Engram.values`), started at the step's start (`_encode`)
+    engram_values: dict = field(default_factory=dict)
     residual: torch.Tensor | None = None
     a_pre: torch.Tensor | None = None
     a_post: torch.Tensor | None = None
@@ -92,24 +94,29 @@ class Carry:
         return self if keep is None else self.per_row(lambda t: t[keep])
 
 
-# V4.1's mixes on a second stream on the fast path (`MixesAside`; False: in place, for A/B runs)
+# V4.1's work that is read later than it can start, on side streams on the fast path (`Aside`;
+# False: in place, for A/B runs): the mHC mixes, and the engram values
 MIXES_ASIDE = True
+ENGRAM_ASIDE = True
 
 
-class MixesAside:
-    """V4.1 collapses a site's input with the previous site's `pre`, so a site's own mixes are
-    first read after its sublayer (the expand; the next site's collapse). On the fast path on
-    CUDA they run on a second stream, beside the collapse and the sublayer: at decode the mixes
-    (an fp32 GEMM of 80 small programs and a one-warp Sinkhorn epilogue, ~14 us a site, all
-    latency) then hide behind the sublayer's kernels. Elsewhere (and for V4, whose collapse
-    reads the site's own `pre`) they run in place.
+class Aside:
+    """Work whose inputs are ready well before its output is read runs on a second CUDA
+    stream on the fast path, beside the main stream's kernels (at decode most of them are
+    latency bound and leave HBM and SMs idle). Two uses (one Aside each, so neither waits for
+    the other's queue): V4.1's mixes — a site collapses its input with the previous site's
+    `pre`, so the site's own mixes (an fp32 GEMM of 80 small programs and a one-warp
+    Sinkhorn epilogue, ~14 us a site, all latency) are first read after its sublayer; and the
+    engram values (table lookup + the 157 MB wkv projection), which need only the step's
+    hashes but are read at their layer. Elsewhere (CPU, the reference path; for V4, whose
+    collapse reads the site's own `pre`) the work runs in place.
 
-    `start` forks: the side stream waits for the main stream's work so far, then the mixes are
-    issued on it; `join` makes the main stream wait for them. Memory needs no record_stream:
-    every fork starts behind the main stream (so a block the side stream reuses is one the main
-    stream is done with), and the inputs (the residual streams) stay referenced past the join.
-    In a CUDA graph capture the fork and join become graph edges; a piece must join before its
-    capture ends (`Model._encode` does, for the split layer's attention site)."""
+    `start` forks: the side stream waits for the main stream's work so far, then the work is
+    issued on it; `join` makes the main stream wait for all of it. Memory needs no
+    record_stream: every fork starts behind the main stream (so a block the side stream reuses
+    is one the main stream is done with), and the inputs stay referenced past the join. In a
+    CUDA graph capture the fork and join become graph edges; a piece must join before its
+    capture ends (`Model._encode` does)."""
 
     def __init__(self, device: torch.device, enabled: bool):
         self.stream = torch.cuda.Stream(device) if enabled else None
@@ -155,7 +162,9 @@ class Model:
         elif fast_path and why is not None:
             raise ValueError(f"fast_path=True: {why}")
         self.fast = fast_path
-        self.aside = MixesAside(self.device, MIXES_ASIDE and fast_path and self.v41 and self.device.type == "cuda")
+        side = fast_path and self.v41 and self.device.type == "cuda"
+        self.aside = Aside(self.device, MIXES_ASIDE and side)  # the mixes
+        self.engram_aside = Aside(self.device, ENGRAM_ASIDE and side)
         self.rope = RopeTables(cfg, dtype, self.device)
         self.embed = weights["embed.weight"]
         self.head = weights["head.weight"]
@@ -199,6 +208,7 @@ class Model:
         on their own row counts)."""
         step.forget_derived()  # derived tensors are made inside this forward (and its graph)
         self.aside.forget()
+        self.engram_aside.forget()
         rows = step.enc
         return self._encode(step.input_ids, rows.req, rows.local, rows.positions, step.prev_tokens, _FastRows(step, cache), None, None)
 
@@ -208,6 +218,7 @@ class Model:
         attention on -> hidden states [len(step.logits_index), D]."""
         step.dec.memo.clear()
         self.aside.forget()  # (the encoder piece joined its own)
+        self.engram_aside.forget()
         rows = _FastRows(step, cache)
         shared = dict(carry.shared)  # the split replaces the selections by the kept rows': not in the caller's carry
         keep = rows.split(shared) if self.split_at < len(self.blocks) else None
@@ -229,12 +240,22 @@ class Model:
             with section("engram"):
                 hashes = self.hasher(ids, req, local, positions, prev_tokens)
         carry = Carry(ids=ids, streams=streams, pre=pre, hashes=hashes, shared={})
-        for i, block in enumerate(self.blocks[: self.split_at + 1]):
+        encoder = self.blocks[: self.split_at + 1]
+        for i, block in enumerate(encoder):
+            for later in encoder[i : i + 2]:  # engram values a layer before they are read (`Aside`; one held at a time)
+                if later.engram is not None and later.role.index not in carry.engram_values:
+                    with section("engram"):
+                        carry.engram_values[later.role.index] = self.engram_aside.start(
+                            later.engram.values, self._engram_hashes(hashes, later), self.dtype)
             self._block_in(block, carry, rows, capture)
             if i < self.split_at:
                 self._block_out(block, carry, rows, trace)
         self.aside.join()  # the split layer's attention mixes (the decoder piece reads them)
+        self.engram_aside.join()  # (each value was read at its layer: a no-op, so no capture ends with side work unjoined)
         return carry
+
+    def _engram_hashes(self, hashes: torch.Tensor, block: Block) -> torch.Tensor:
+        return hashes[:, self.cfg.engram_layer_ids.index(block.role.index)]
 
     def _decode(self, carry: Carry, rows, trace, capture) -> torch.Tensor:
         cfg = self.cfg
@@ -258,7 +279,12 @@ class Model:
         cfg, role = self.cfg, block.role
         if block.engram is not None:
             with section("engram"):
-                carry.streams = block.engram(carry.streams, carry.hashes[:, cfg.engram_layer_ids.index(role.index)])
+                values = carry.engram_values.pop(role.index, None)
+                if values is None:  # a layer after the CED split: its rows' own
+                    values = block.engram.values(self._engram_hashes(carry.hashes, block), carry.streams.dtype)
+                else:
+                    self.engram_aside.join()
+                carry.streams = block.engram.add(carry.streams, values)
         if capture is not None and role.index in cfg.dspark_target_layer_ids:
             capture.setdefault("dspark", {})[role.index] = carry.streams[rows.final()].mean(dim=1)
         carry.residual = carry.streams

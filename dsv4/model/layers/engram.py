@@ -120,14 +120,26 @@ class Engram:
         self.gate_weight = w[prefix + "q_weight"].float() * w[prefix + "k_weight"].float()
 
     def __call__(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
-        """streams [T, hc, D]; hash_ids [T, n_cols] -> streams with the gated value added. CUDA:
-        Triton kernels for the lookup and the gate around the wkv GEMM (`dsv4.ops.triton.engram`)."""
+        """streams [T, hc, D]; hash_ids [T, n_cols] -> streams with the gated value added."""
+        return self.add(streams, self.values(hash_ids, streams.dtype))
+
+    def values(self, hash_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The wkv projection [T, (hc+1)*D] of the table rows of hash_ids [T, n_cols]: what
+        needs only the hashes (the fast path starts it beside the layers before this one).
+        CUDA: the lookup is a Triton kernel (`dsv4.ops.triton.engram`)."""
+        if on_triton(hash_ids):
+            from dsv4.ops.triton import engram as triton_engram
+
+            return self.wkv(triton_engram.lookup(self.table, self.table_scale, hash_ids, dtype))
+        return self.wkv(self.lookup_reference(hash_ids, dtype))
+
+    def add(self, streams: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """streams [T, hc, D] plus the gated value of `values`' kv (CUDA: one Triton kernel)."""
         if on_triton(streams):
             from dsv4.ops.triton import engram as triton_engram
 
-            rows = triton_engram.lookup(self.table, self.table_scale, hash_ids, streams.dtype)
-            return triton_engram.gate(streams, self.wkv(rows), self.gate_weight, self.cfg.rms_norm_eps)
-        return self.gate_reference(streams, self.wkv(self.lookup_reference(hash_ids, streams.dtype)))
+            return triton_engram.gate(streams, kv, self.gate_weight, self.cfg.rms_norm_eps)
+        return self.gate_reference(streams, kv)
 
     def lookup_reference(self, hash_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The table rows of hash_ids [T, n_cols], dequantised -> [T, n_cols * dim] in `dtype`
