@@ -72,7 +72,7 @@ class Carry:
     pre: torch.Tensor
     hashes: torch.Tensor | None
     shared: dict
-    # engram layer -> its values (`Engram.values`), started at the step's start (`_encode`)
+    # engram layer -> its values (`Engram.values`), started a layer before it (`_encode`)
     engram_values: dict = field(default_factory=dict)
     residual: torch.Tensor | None = None
     a_pre: torch.Tensor | None = None

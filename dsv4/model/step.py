@@ -37,8 +37,8 @@ class Rows:
     count: torch.Tensor  # [B] int64
     row0: torch.Tensor  # [B] int32
     floor: torch.Tensor  # [B] int64
-    # Per-row facts the layers index the caches with, built on the host with the rest (on the
-    # GPU each was a few small kernels per step: ~50 of a decode step's launches).
+    # Per-row facts the layers index the caches with, built on the host with the rest, so no
+    # layer spends launches deriving them (~50 small kernels a decode step before).
     slot: torch.Tensor  # [R] int64 state slot of the row's request
     ring_pos: torch.Tensor  # [R] int64 the row's place in its request's window ring (position % window)
     ring_keep: torch.Tensor  # [R] bool: a key the ring keeps after this step (each real request's last `window` rows)
@@ -116,8 +116,8 @@ class StepBuffer:
     _ALIGN = 16
 
     def __init__(self, step: Step, names: tuple[str, ...] | None = None, device: torch.device | None = None):
-        """`step` on the host (or, for tests, on the device itself); `device`: where the buffer
-        lives (default: the step's)."""
+        """`step` on the host, or already on the device (a graph's padding step); `device`:
+        where the buffer lives (default: the step's)."""
         self.names = names
         held = step.named_tensors(names)
         device = step.slots.device if device is None else torch.device(device)

@@ -406,3 +406,37 @@ def test_graph_steps_run_on_their_step_buffers(fast, ref, monkeypatch):
         # decode rows on cached context (the window rings and compressed entries of each slot)
         for chosen in (seqs, [s[:-7] for s in seqs[1:]]):
             same(graphs, eager, lambda: _decode_batch(fast, chosen), lambda: _prefill(fast, chosen))
+
+
+def test_row_facts_follow_their_definitions():
+    """The per-row cache facts `build_step` computes on the host (ring place and keep, per
+    compress ratio visible entries, entry position, place in the group, tail), checked row by
+    row against their definitions: a prefill chunk, a decode row, bounded replay's decoder
+    rows and padding requests (which see and keep nothing)."""
+    from dsv4.bench.forward import bench_config
+
+    cfg = bench_config("v41", num_layers=8, num_experts=8)
+    window, ratios = cfg.window, cfg.compress_ratio_set
+    assert len(ratios) == 2
+    batch = ForwardBatch(
+        input_ids=torch.arange(301), positions=torch.cat([torch.arange(1000, 1300), torch.tensor([77])]),
+        start_pos=[1000, 77], num_tokens=[300, 1], slots=[5, 2], block_tables=torch.zeros(2, 6, dtype=torch.long),
+        prev_tokens=torch.full((2, 3), -1), window_floor=[0, 0], decoder_window_floor=[1300 - window, 0],
+        decoder_tokens=[window, 1], logits_rows=torch.tensor([299, 300]),
+    )
+    step = build_step(batch, cfg, 256, "cpu", pad_requests=2, pad_rows=3, pad_dec_rows=[2, 1])
+    for rows in (step.enc, step.dec):
+        slots = [5, 2, 0, 0]
+        for i in range(rows.num_rows):
+            b, pos = int(rows.req[i]), int(rows.positions[i])
+            real = b < 2
+            end = int(rows.start[b] + rows.count[b])
+            assert int(rows.slot[i]) == slots[b] and int(rows.ring_pos[i]) == pos % window
+            assert bool(rows.ring_keep[i]) == (real and pos >= end - window)
+            for r in ratios:
+                assert int(rows.by_ratio("visible", r)[i]) == ((pos + 1) // r if real else 0)
+                assert int(rows.by_ratio("entry_pos", r)[i]) == pos - pos % r
+                assert int(rows.by_ratio("in_group", r)[i]) == pos % r
+                assert bool(rows.by_ratio("tail", r)[i]) == (real and pos >= end - end % r)
+    assert step.dec.num_rows == window + 1 + 3 and step.enc.num_rows == 301 + 6
+    assert bool(step.enc.ring_keep[:300].sum() == window) and bool(step.enc.ring_keep[300])
