@@ -39,7 +39,7 @@ class RopeTables:
 
     def cos_sin(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, rope_dim / 2]."""
-        if on_triton(positions) and positions.dim() == 1:  # one launch instead of six
+        if on_triton(positions):  # one launch instead of six
             from dsv4.ops.triton.rowwise import rope_tables
 
             return rope_tables(positions, self.inv[kind], self.dtype)
