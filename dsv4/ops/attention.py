@@ -20,11 +20,15 @@ from dsv4.ops import on_triton
 def sparse_attention(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale: float) -> torch.Tensor:
     """q [T, H, D] (after RoPE); kv_new [T, D] this step's window keys (FP8-rounded); ring
     FP8 codes [S, W, D] + ue8m0 bytes [S, W, D/32]; compressed KV packed FP4 [NB, P, D/2] +
-    E4M3 scales [NB, P, D/16]; topk [T, k] selected entries (-1 = none; k may be 0);
+    E4M3 scales [NB, P, D/16] — or, for V4's caches in the compute dtype, the values [S, W, D]
+    / [NB, P, D] with scales None (torch code only: no kernel reads them yet);
+    topk [T, k] selected entries (-1 = none; k may be 0);
     token_req [T]; positions [T]; per request: start_pos, row_start (first row), slots,
     floors (window keys below are invisible); block_tables [B, max_blocks]; sink fp32 [H].
     -> [T, H, D] in q's dtype."""
     if on_triton(q) and q.dtype == torch.bfloat16:
+        if ring_scales is None or ckv_scales is None:
+            raise NotImplementedError("sparse_attention: no kernel reads unquantised (V4) caches yet; V4 runs the reference path on CUDA")
         from dsv4.ops.triton.attention import sparse_attention as kernel
 
         return kernel(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale)
@@ -66,7 +70,10 @@ def sparse_attention_reference(
         valid = kpos >= floors.long()[req].clamp_min(0)[:, None]
         in_ring = valid & (kpos < start[:, None])
         ring_idx = (slots.long()[req][:, None], kpos.clamp_min(0) % window)
-        ring = quant.dequantize_fp8_ue8m0(ring_codes[ring_idx], ring_scales.view(torch.uint8)[ring_idx], q.dtype, FP8_BLOCK)
+        if ring_scales is None:
+            ring = ring_codes[ring_idx].to(q.dtype)
+        else:
+            ring = quant.dequantize_fp8_ue8m0(ring_codes[ring_idx], ring_scales.view(torch.uint8)[ring_idx], q.dtype, FP8_BLOCK)
         new_row = (row0[:, None] + kpos - start[:, None]).clamp(0, t - 1)
         keys = torch.where(in_ring[..., None], ring, kv_new[new_row])
         entries = topk[rows].long()
@@ -74,7 +81,10 @@ def sparse_attention_reference(
             safe = entries.clamp_min(0)
             blocks = block_tables.long()[req[:, None], safe // per_block]
             loc = (blocks, safe % per_block)
-            comp = quant.dequantize_fp4(ckv_codes[loc], ckv_scales[loc], q.dtype, CKV_BLOCK)
+            if ckv_scales is None:
+                comp = ckv_codes[loc].to(q.dtype)
+            else:
+                comp = quant.dequantize_fp4(ckv_codes[loc], ckv_scales[loc], q.dtype, CKV_BLOCK)
             keys = torch.cat([keys, comp], dim=1)
             valid = torch.cat([valid, entries >= 0], dim=1)
         keys = keys.masked_fill(~valid[..., None], 0)  # unwritten cache bytes may decode to NaN

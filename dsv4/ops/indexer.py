@@ -30,11 +30,14 @@ def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengt
     row_req int [T] (request of each row), lengths int [T] (columns to produce, <= width).
     entries None: column c scores entry c; entries int [T, width]: column c scores entry
     entries[t, c] (one the request holds; visibility is the caller's), and an entry < 0 scores
-    -inf.
+    -inf. V4's keys are unquantised: key_codes [NB, per_block, Dk] in the compute dtype and
+    key_scales None (torch code only so far).
 
     out[t, c] = sum_h relu(q[t, h] . key) * Dk**-0.5 * weights[t, h] for c < lengths[t];
     columns >= lengths[t] are unwritten on CUDA (-inf in the reference)."""
     if on_triton(q):
+        if key_scales is None:
+            raise NotImplementedError("index_scores: no kernel scores unquantised (V4) keys yet; V4 runs the reference path on CUDA")
         from dsv4.ops.triton import indexer
 
         return indexer.index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengths, per_block, width, entries)
@@ -62,7 +65,10 @@ def index_scores_reference(q, weights, key_codes, key_scales, block_tables, row_
     for c in range(0, t, step):
         rows = slice(c, c + step)
         loc = (block[rows], offset[rows])
-        keys = quant.dequantize_fp4(key_codes[loc], key_scales[loc], torch.float32, IDX_BLOCK)
+        if key_scales is None:
+            keys = key_codes[loc].float()
+        else:
+            keys = quant.dequantize_fp4(key_codes[loc], key_scales[loc], torch.float32, IDX_BLOCK)
         scores = (torch.einsum("rhd,rtd->rht", q[rows], keys).relu() * dk**-0.5 * weights[rows].unsqueeze(-1)).sum(dim=1)
         out[rows] = scores.masked_fill(~valid[rows], float("-inf"))
     return out

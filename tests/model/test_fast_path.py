@@ -26,17 +26,26 @@ ENGINE = dict(block_size=16, kv_cache_memory=64 << 20, max_num_seqs=8, max_model
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+def golden_llm(folder: Path, fast: bool, **options) -> LLM:
+    """The golden set `folder`'s model on the fast path or the reference path (skips without it)."""
+    if not folder.is_dir():
+        pytest.skip(f"golden set {folder} not found (set DSV4_SHARED)")
+    return LLM(folder, fast_path=fast, **dict(ENGINE, **options))
+
+
+def golden_data(folder: Path) -> dict:
+    if not folder.is_dir():
+        pytest.skip(f"golden set {folder} not found (set DSV4_SHARED)")
+    return load_file(folder / "golden.safetensors")
+
+
 def _llm(fast: bool, **options) -> LLM:
-    if not FOLDER.is_dir():
-        pytest.skip(f"golden set {FOLDER} not found (set DSV4_SHARED)")
-    return LLM(FOLDER, fast_path=fast, **dict(ENGINE, **options))
+    return golden_llm(FOLDER, fast, **options)
 
 
 @pytest.fixture(scope="module")
 def ref():
-    if not FOLDER.is_dir():
-        pytest.skip(f"golden set {FOLDER} not found (set DSV4_SHARED)")
-    return load_file(FOLDER / "golden.safetensors")
+    return golden_data(FOLDER)
 
 
 @pytest.fixture(scope="module")
@@ -164,10 +173,11 @@ def test_bad_inputs_are_refused(fast, ref):
 
 
 def test_fast_path_refuses_configs_it_cannot_serve():
-    folder = SHARED / "golden" / "v4-tiny-a"
+    """V4.1 without the FP8 / FP4 caches (a 48-channel head) is refused with the reason."""
+    folder = SHARED / "golden" / "v41-tiny-a-nofp8kv"
     if not folder.is_dir():
         pytest.skip("golden sets not found")
-    with pytest.raises(ValueError, match="fast_path=True: V4 runs the reference path"):
+    with pytest.raises(ValueError, match="fast_path=True: head_dim 48 .* do not give the FP8 / FP4 caches"):
         LLM(folder, fast_path=True, **ENGINE)
 
 

@@ -122,7 +122,7 @@ def test_compress_entries_rejects_bad_arguments():
         call(bad)
     bad = list(args)
     bad[1] = None
-    with pytest.raises(ValueError, match="fp32 kv and gate"):
+    with pytest.raises(ValueError, match="torch.float32 kv and gate"):
         call(bad)
     bad = list(args)
     bad[14] = args[14][:3]

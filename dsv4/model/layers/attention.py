@@ -10,7 +10,9 @@ Two implementations of the same layer share the weights:
 * the fast path (`forward_fast`, `compress_fast`, `select_fast`): the ops of dsv4.ops
   (Triton kernels on CUDA, their torch references elsewhere) on the device metadata of
   dsv4.model.step, with no host synchronisation and fixed shapes, so that CUDA graphs can
-  capture it. V4.1's quantised caches only (FP8 ring, FP4 compressed KV and indexer keys).
+  capture it. Kernels for V4.1's quantised caches (FP8 ring, FP4 compressed KV and indexer
+  keys); V4's unquantised caches, HCA layers and overlapping compressors run the ops' torch
+  code (CPU only so far: `model.fast_path_unsupported`).
 """
 
 from __future__ import annotations
@@ -201,6 +203,19 @@ def _no_entries(cache: KVCacheStorage) -> QTensor:
                    scales=torch.zeros(1, 1, d // 16, dtype=torch.float8_e4m3fn, device=cache.device))
 
 
+def _stored(q: QTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A cache tensor as the fast-path ops take it: (codes, scales), or (values, None) for V4's
+    unquantised caches."""
+    return (q.codes, q.scales) if q.quantized else (q.values, None)
+
+
+def _all_visible(visible: torch.Tensor, width: int) -> torch.Tensor:
+    """V4 HCA's selection: entries 0 .. visible[t]-1 of each row, ascending, as a [R, width]
+    int32 table (-1 = none)."""
+    cols = torch.arange(width, device=visible.device)
+    return torch.where(cols < visible.unsqueeze(1), cols, -1).to(torch.int32)
+
+
 def _proj(w: dict, name: str, cfg: ModelConfig) -> Linear:
     """An FP8 projection of the checkpoint (its input quantised under `cfg.fp8_activations`)."""
     return Linear(w[f"{name}.weight"], w.get(f"{name}.scale"), cfg.weight_block_size, quant_input=cfg.fp8_activations)
@@ -292,21 +307,28 @@ class Compressor:
         prev_gate[slot] = gate[-1, :, :w].float()
         return new_kv, new_gate
 
-    def fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tuple, torch.Tensor]:
-        """Fast path (V4.1, no overlap): the entry every row would complete, computed for all
-        rows with fixed shapes; the completed ones (not cached yet) go to the compressed KV
-        cache in FP4, rotated by cos / sin (the angles of each row's entry position), by
-        `ops.compressor.compress_entries`. -> (pre-RoPE entries [R, width], their cache
-        locations, emit [R]: the row's entry was stored). The rows of each request's trailing
-        incomplete group then go to its state slot's tail."""
+    def fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, layer: int, cos: torch.Tensor, sin: torch.Tensor,
+             target: QTensor) -> tuple[torch.Tensor, tuple, torch.Tensor]:
+        """Fast path: the entry every row would complete, computed for all rows with fixed
+        shapes; the completed ones (not cached yet) go to `target` (the compressed KV cache;
+        V4's indexer compressor: the indexer keys) in its format, rotated by cos / sin (the
+        angles of each row's entry position), by `ops.compressor.compress_entries`. -> (pre-RoPE
+        entries [R, width], their cache locations, emit [R]: the row's entry was stored). The
+        rows of each request's trailing incomplete group then go to its state slot's tail."""
         r, dtype = self.ratio, x.dtype
         common = (rows.req, rows.positions, rows.start, rows.row0, rows.write, step.slots, step.emit_from, step.block_tables,
-                  self.norm, self.cfg.rms_norm_eps, cos, sin, cache.ckv[layer], r, cache.block_size, dtype)
+                  self.norm, self.cfg.rms_norm_eps, cos, sin, target, r, cache.block_size, dtype)
         if r == 1:  # every token is its own entry, no gate
             return compressor_ops.compress_entries(linear(x, self.wkv.to(dtype)), None, None, None, *common)
-        kv_all, gate_all = self._fp32_projections(x)  # fp32 pooling math, as the reference
-        tail_kv, tail_gate = cache.tail_kv[layer, self.state], cache.tail_gate[layer, self.state]
-        out = compressor_ops.compress_entries(kv_all, gate_all, tail_kv, tail_gate, *common)
+        key = (layer, self.state)
+        if self.v41:
+            kv_all, gate_all = self._fp32_projections(x)  # fp32 pooling math, as the reference
+            v4 = None
+        else:  # the activation dtype, the position bias and (CSA) the overlapping windows
+            kv_all, gate_all = linear(x, self.wkv.to(dtype)), linear(x, self.wgate.to(dtype))
+            v4 = compressor_ops.V4Pooling(self.ape, self.overlap, cache.prev_kv.get(key), cache.prev_gate.get(key), rows.count)
+        tail_kv, tail_gate = cache.tail_kv[key], cache.tail_gate[key]
+        out = compressor_ops.compress_entries(kv_all, gate_all, tail_kv, tail_gate, *common, v4=v4)
         # after the pooling read the tails: the trailing incomplete group of each request
         pending, where = rows.by_ratio("tail", r), (rows.slot, rows.by_ratio("in_group", r))
         kvops.store_plain(tail_kv, where, kv_all, pending)
@@ -523,16 +545,19 @@ class Attention:
     # ------------------------------------------------------------------ fast path
     # The same layer on device metadata (dsv4.model.step): every op takes the per-row /
     # per-request tensors and finds its own rows, nothing synchronises with the host and
-    # every shape follows from the step's shapes (CUDA-graph capturable). V4.1 caches only.
+    # every shape follows from the step's shapes (CUDA-graph capturable).
 
     def compress_fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage) -> None:
         layer, r = self.role.index, self.role.compress_ratio
         # each row's entry position is its group's first (ratio 1: its own, the indexer's angles)
         cos, sin = rows.derived(("rope", "compress") if r == 1 else ("rope", "compress", r),
                                 lambda: self.rope.cos_sin(rows.by_ratio("entry_pos", r), "compress"))
-        latent, where, emit = self.compressor.fast(x, rows, step, cache, layer, cos, sin)
-        keys = self.norm(linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)  # from the PRE-RoPE latent
-        kvops.store_rows(cache.idx[layer], "idx", apply_rope_(keys, cos, sin), where, emit)
+        latent, where, emit = self.compressor.fast(x, rows, step, cache, layer, cos, sin, cache.ckv[layer])
+        if self.v41:
+            keys = self.norm(linear(latent, self.idx_wk.to(latent.dtype)), self.idx_k_norm)  # from the PRE-RoPE latent
+            kvops.store_rows(cache.idx[layer], "idx", apply_rope_(keys, cos, sin), where, emit)
+        elif self.index_compressor is not None:  # V4 CSA: the indexer keys have their own compressor
+            self.index_compressor.fast(x, rows, step, cache, layer, cos, sin, cache.idx[layer])
 
     def select_fast(self, x: torch.Tensor, idx_q: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> None:
         """The indexer on device metadata (idx_q: the indexer's query projection of q_res, [R,
@@ -558,7 +583,7 @@ class Attention:
         per_block = cache.block_size // r
 
         def scored(c: slice, lengths: torch.Tensor, n: int, entries: torch.Tensor | None = None) -> torch.Tensor:
-            return index_ops.index_scores(q[c], weights[c], keys.codes, keys.scales, step.block_tables, rows.req[c], lengths[c], per_block, n,
+            return index_ops.index_scores(q[c], weights[c], *_stored(keys), step.block_tables, rows.req[c], lengths[c], per_block, n,
                                           entries=None if entries is None else entries[c])
 
         if role.uses_candidates and "cand" in shared:
@@ -585,7 +610,10 @@ class Attention:
             q, idx_q = self.wq_b_idx(q_res).split([self.wq_b.out_features, self.idx_wq_b.out_features], dim=-1)
         else:
             q, idx_q = self.wq_b(q_res), None
-        q = apply_rope_(q.view(-1, h, hd), cos, sin)
+        q = q.view(-1, h, hd)
+        if not self.v41:  # V4: unweighted per-head RMS norm of q
+            q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + cfg.rms_norm_eps).to(q.dtype)
+        q = apply_rope_(q, cos, sin)
         ring = cache.ring[role.index]
         kv = kvops.round_trip(ring, apply_rope_(kv, cos, sin), "window")  # QAT: FP8
         if role.runs_indexer:
@@ -593,10 +621,14 @@ class Attention:
                 self.select_fast(x, idx_q, rows, step, cache, shared)
         if role.kv_source is not None and role.index_source is not None and "topk" in shared:
             topk, ckv = shared["topk"], cache.ckv[role.kv_source]
+        elif role.kv_source is not None and role.kind == "hca":  # V4 HCA: every visible entry
+            r = role.compress_ratio
+            topk = rows.derived(("hca", r), lambda: _all_visible(rows.by_ratio("visible", r), step.widths[r]))
+            ckv = cache.ckv[role.kv_source]
         else:
             topk, ckv = torch.full((rows.num_rows, 0), -1, dtype=torch.int32, device=x.device), _no_entries(cache)
         out = attention_ops.sparse_attention(
-            q, kv, ring.codes, ring.scales, ckv.codes, ckv.scales, topk, rows.req, rows.positions, rows.start,
+            q, kv, *_stored(ring), *_stored(ckv), topk, rows.req, rows.positions, rows.start,
             rows.row0, step.slots, rows.floor, step.block_tables, self.sink, hd**-0.5,
         )
         kvops.store_rows(ring, "window", kv, (rows.slot, rows.ring_pos), rows.ring_keep)  # after attention: queries read the old ring
