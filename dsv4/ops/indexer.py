@@ -1,6 +1,7 @@
-"""The V4.1 indexer as four graph-safe ops (MODEL.md 2.4, "Indexer" and "Hierarchical
-candidates"): scores of a row's entries, block maxima (level one of the two-level top-k), the
-ascending top-k and a Reindex layer's candidate pool. All per-row metadata (request, length, entry list) are device tensors of
+"""The indexer as four graph-safe ops (MODEL.md 2.4, "Indexer" and "Hierarchical
+candidates"): scores of a row's entries (V4.1's FP4 keys or V4-Flash's unquantised ones),
+block maxima (level one of the two-level top-k), the ascending top-k and a Reindex layer's
+candidate pool. All per-row metadata (request, length, entry list) are device tensors of
 static shape, so a step can be captured in a CUDA graph.
 
 Each op runs its Triton kernel (`dsv4.ops.triton.indexer`, imported only then) when its tensors
@@ -23,21 +24,20 @@ IDX_BLOCK = 32  # one ue8m0 scale byte per 32 channels of an indexer key
 def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengths, per_block: int, width: int, entries=None) -> torch.Tensor:
     """Index scores of every row against the entries of its request -> fp32 [T, width].
 
-    q [T, H, Dk] (bf16 on CUDA, fp32 allowed on CPU): the FP4-rounded indexer query; weights
-    fp32 [T, H] (already x H**-0.5); key_codes uint8 [NB, per_block, Dk/2] (e2m1, low nibble =
-    even channel) and key_scales uint8 [NB, per_block, Dk/32] (ue8m0 bytes): the indexer keys,
-    entry j of request b at block block_tables[b, j // per_block], offset j % per_block;
+    q [T, H, Dk] (bf16 on CUDA, fp32 allowed on CPU): the indexer query (V4.1's FP4-rounded);
+    weights fp32 [T, H] (already x H**-0.5); key_codes uint8 [NB, per_block, Dk/2] (e2m1, low
+    nibble = even channel) and key_scales uint8 [NB, per_block, Dk/32] (ue8m0 bytes): V4.1's
+    indexer keys, entry j of request b at block block_tables[b, j // per_block], offset
+    j % per_block;
     row_req int [T] (request of each row), lengths int [T] (columns to produce, <= width).
     entries None: column c scores entry c; entries int [T, width]: column c scores entry
     entries[t, c] (one the request holds; visibility is the caller's), and an entry < 0 scores
-    -inf. V4's keys are unquantised: key_codes [NB, per_block, Dk] in the compute dtype and
-    key_scales None (torch code only so far).
+    -inf. V4's keys are unquantised: key_codes [NB, per_block, Dk] in the compute dtype (bf16
+    on CUDA) and key_scales None.
 
     out[t, c] = sum_h relu(q[t, h] . key) * Dk**-0.5 * weights[t, h] for c < lengths[t];
     columns >= lengths[t] are unwritten on CUDA (-inf in the reference)."""
     if on_triton(q):
-        if key_scales is None:
-            raise NotImplementedError("index_scores: no kernel scores unquantised (V4) keys yet; V4 runs the reference path on CUDA")
         from dsv4.ops.triton import indexer
 
         return indexer.index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengths, per_block, width, entries)

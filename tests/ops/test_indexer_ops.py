@@ -3,7 +3,8 @@ definition and against the model's current selection code, then the Triton kerne
 the references on random non-zero inputs at small shapes (on CPU in Triton's interpreter,
 TRITON_INTERPRET=1 set by conftest.py; compiled with CUDA). Ragged lengths include 0, k beyond
 the length, many exact ties (ReLU zeros, +-0), widths that are not a multiple of any tile, rows
-of different requests; a row's result must be the same bits alone and in a batch.
+of different requests; a row's result must be the same bits alone and in a batch. Scores are
+checked with V4.1's FP4 keys (32 heads) and V4-Flash's bf16 keys (64 heads).
 """
 
 from __future__ import annotations
@@ -45,21 +46,25 @@ def _dev(*xs):
 
 
 def _score_case(seed: int, *, heads: int, dk: int, per_block: int, entries_of: list[int], lengths: list[int], row_req: list[int], width: int,
-                with_entries: bool, exponents: tuple[int, int] = (-3, 4)):
-    """Random FP4 indexer keys in shuffled blocks, each 32-channel block's magnitude 2**e for e
-    in `exponents` (its scale byte about 125 + e); `entries_of[b]`: entries request b holds.
-    Returns the argument list of `index_scores` (entries None unless `with_entries`: then each
-    row scores a random list of its request's entries, with repeats and -1 holes)."""
+                with_entries: bool, exponents: tuple[int, int] = (-3, 4), raw_keys: bool = False):
+    """Random indexer keys in shuffled blocks, each 32-channel block's magnitude 2**e for e in
+    `exponents`: FP4 (V4.1: codes, scale bytes about 125 + e, FP4-rounded queries) or with
+    `raw_keys` bf16 (V4-Flash: the keys as codes, scales None, bf16 queries); `entries_of[b]`:
+    entries request b holds. Returns the argument list of `index_scores` (entries None unless
+    `with_entries`: then each row scores a random list of its request's entries, with repeats
+    and -1 holes)."""
     g = _gen(seed)
     n_req = len(entries_of)
     max_blocks = max(-(-n // per_block) for n in entries_of)
     n_blocks = n_req * max_blocks + 3
     magnitude = torch.exp2(torch.randint(*exponents, (n_blocks, per_block, dk // 32), generator=g).float()).repeat_interleave(32, -1)
-    codes, scales = quant.quantize_fp4(torch.randn(n_blocks, per_block, dk, generator=g) * magnitude, 32, e4m3_scale=False)
+    keys = torch.randn(n_blocks, per_block, dk, generator=g) * magnitude
+    codes, scales = (keys.bfloat16(), None) if raw_keys else quant.quantize_fp4(keys, 32, e4m3_scale=False)
     order = torch.randperm(n_blocks, generator=g)
     block_tables = order[: n_req * max_blocks].view(n_req, max_blocks).to(torch.int32)
     t = len(lengths)
-    q = quant.fake_quant_fp4(torch.randn(t, heads, dk, generator=g) * 2, 32, e4m3_scale=False).bfloat16()
+    q = torch.randn(t, heads, dk, generator=g) * 2
+    q = (q if raw_keys else quant.fake_quant_fp4(q, 32, e4m3_scale=False)).bfloat16()
     weights = torch.randn(t, heads, generator=g) * heads**-0.5
     req = torch.tensor(row_req)
     entries = None
@@ -80,7 +85,10 @@ def _naive_scores(q, weights, codes, scales, block_tables, row_req, lengths, per
         ok = ent >= 0
         e = ent[ok]
         blocks = block_tables[int(row_req[r])].long()[e // per_block]
-        keys = quant.dequantize_fp4(codes[blocks, e % per_block], scales[blocks, e % per_block], torch.float64, 32)
+        if scales is None:  # bf16 keys
+            keys = codes[blocks, e % per_block].double()
+        else:
+            keys = quant.dequantize_fp4(codes[blocks, e % per_block], scales[blocks, e % per_block], torch.float64, 32)
         per_head = (q[r].double() @ keys.T).relu() * dk**-0.5 * weights[r].double().unsqueeze(1)
         row = torch.full((n,), float("-inf"), dtype=torch.float64)
         row[ok] = per_head.sum(0)
@@ -128,6 +136,17 @@ SCORE_CASES = {
     # scale bytes far above 128 and far below 127 (the exact two-multiply dequantisation)
     "scales": dict(heads=16, dk=128, per_block=64, entries_of=[130], lengths=[130, 77, 130, 129], row_req=[0, 0, 0, 0], width=130,
                    with_entries=False, exponents=(-100, 100)),
+    # V4-Flash: bf16 keys, 64 heads, Dk 128, ratio 4's 64 entries a block (a tile spans two
+    # blocks: gathered). Grouped, 64 heads stack 2 rows a program (N = 128, `scores_rows`): rows
+    # 2-3 share their tiles, rows 0-1 and 4-5 (two requests) and 6 (past the end) go one by one
+    "v4_prefill": dict(heads=64, dk=128, per_block=64, entries_of=[60, 200], lengths=[60, 190, 191, 192, 193, 1, 200],
+                       row_req=[0, 1, 1, 1, 1, 0, 1], width=200, with_entries=False, raw_keys=True),
+    # bf16 keys in blocks of 128 entries (a tile is one contiguous run); 40 heads (padded to 64)
+    "v4_contiguous": dict(heads=40, dk=128, per_block=128, entries_of=[190, 100], lengths=[190, 0, 129, 100], row_req=[0, 1, 0, 1],
+                          width=190, with_entries=False, raw_keys=True),
+    # bf16 keys, each row its own list of entries (repeats, -1 holes)
+    "v4_entries": dict(heads=64, dk=128, per_block=64, entries_of=[300, 90], lengths=[130, 0, 77, 5], row_req=[0, 1, 1, 0], width=130,
+                       with_entries=True, raw_keys=True),
 }
 
 
@@ -149,7 +168,7 @@ def test_index_scores_reference_matches_definition(case):
 @pytest.mark.parametrize("grouped", [False, True], ids=["row_a_program", "rows_grouped"])
 @pytest.mark.parametrize("case", SCORE_CASES)
 def test_index_scores_kernel_matches_reference(case, grouped, monkeypatch):
-    if grouped:  # the prefill path at these small T: 4 rows a program, sharing tiles within a request
+    if grouped:  # the prefill path at these small T: 4 rows a program (2 at 64 heads), sharing tiles within a request
         monkeypatch.setattr(tk, "SCORES_CONFIG", dict(tk.SCORES_CONFIG, ROWS=4, ROWS_MIN_T=1))
     args = _score_case(1, **SCORE_CASES[case])
     ref = ops.index_scores_reference(*args)
@@ -165,14 +184,53 @@ def test_index_scores_kernel_matches_reference(case, grouped, monkeypatch):
 
 
 @needs_triton
-def test_index_scores_kernel_fp32_query_and_int64_metadata():
+@pytest.mark.parametrize("raw_keys", [False, True], ids=["fp4_keys", "bf16_keys"])
+def test_index_scores_kernel_fp32_query_and_int64_metadata(raw_keys):
     """fp32 q holding bf16 values and int64 tables give the bf16 / int32 result."""
-    args = _score_case(2, **dict(SCORE_CASES["ragged"], lengths=[17, 200, 90], row_req=[1, 2, 0]))
+    args = _score_case(2, **dict(SCORE_CASES["ragged"], lengths=[17, 200, 90], row_req=[1, 2, 0], raw_keys=raw_keys))
     y = tk.index_scores(*_dev(*args))
     wide = list(args)
     wide[0], wide[4] = args[0].float(), args[4].long()
     written = (torch.arange(args[8]) < args[6].unsqueeze(1)).to(DEVICE)  # the rest is unwritten
     assert torch.equal(tk.index_scores(*_dev(*wide))[written], y[written])
+
+
+class _Launches:
+    """Stands in for a kernel: records each launch's grid and constexprs, runs nothing."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **consts: self.seen.append((grid, consts))
+
+
+@needs_triton
+def test_index_scores_rows_a_program_keep_the_stacked_n_within_128(monkeypatch):
+    """The rows a program stacks as the product's N (from ROWS_MIN_T rows, no entry lists) are
+    as many as fit 128 columns of rows x heads padded to a power of two, at most ROWS, with
+    either key format (a 128 x 256 fp32 accumulator spills on sm_90): V4.1's 32 heads keep 4
+    rows, V4's 64 heads take 2. Launches are recorded, not run."""
+    launches = _Launches()
+    monkeypatch.setattr(tk, "_index_scores_kernel", launches)
+    cfg = tk.SCORES_CONFIG
+    t = cfg["ROWS_MIN_T"]
+    stacked = {}
+    for heads in (12, 32, 40, 64, 128):
+        padded = max(16, 1 << (heads - 1).bit_length())
+        stacked[heads] = max(r for r in (1, 2, 4, 8, 16) if r <= cfg["ROWS"] and r * padded <= 128)
+        for raw_keys in (False, True):
+            case = dict(SCORE_CASES["ragged"], heads=heads, dk=128, lengths=[1] * t, row_req=[0] * t, with_entries=True, raw_keys=raw_keys)
+            with_entries = _score_case(5, **case)
+            plain = with_entries[:9] + [None]
+            fewer_rows = [a[1:] if i in (0, 1, 5, 6) else a for i, a in enumerate(plain)]
+            for args, rows in ((plain, stacked[heads]), (fewer_rows, 1), (with_entries, 1)):
+                tk.index_scores(*_dev(*args))
+                grid, consts = launches.seen.pop()
+                n_rows = len(args[6])
+                assert (consts["ROWS"], grid[0], consts["BLOCK_H"], consts["RAW_KEYS"]) == (rows, -(-n_rows // rows), padded, raw_keys), \
+                    (heads, raw_keys, n_rows, args[9] is not None)
+    assert cfg["ROWS"] == 4 and stacked[32] == 4 and stacked[64] == 2
 
 
 # ----------------------------------------------------------------------------------- block max
@@ -393,6 +451,22 @@ def test_kernel_wrappers_reject_bad_arguments():
         tk.index_scores(*_dev(*args[:7]), 8, *args[8:])
     with pytest.raises(ValueError, match="entries must be int32/int64"):
         tk.index_scores(*_dev(*args[:9]), torch.zeros(1, 7, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match=r"q must be \[T, H, Dk\] with Dk a power of two >= 16"):
+        tk.index_scores(*_dev(args[0][..., :48], *args[1:]))
+    with pytest.raises(ValueError, match=r"q must be \[T, H, Dk\] with Dk >= 32 for FP4 keys"):
+        tk.index_scores(*_dev(args[0][..., :16], *args[1:]))
+    # key_scales None: key_codes must be bf16 keys [NB, per_block, Dk], contiguous (FP4 codes
+    # without their scales are refused)
+    v4 = _score_case(4, **dict(SCORE_CASES["v4_prefill"], lengths=[3], row_req=[0]))
+    keys = v4[2]
+    for base, value, message in ((v4, keys.half(), r"key_codes must be bf16 \[NB, 64, 128\]"),
+                                 (v4, keys[..., :64], r"key_codes must be bf16 \[NB, 64, 128\]"),
+                                 (v4, keys.transpose(0, 1).contiguous().transpose(0, 1), "key_codes must be contiguous"),
+                                 (args, args[2], r"key_codes must be bf16 \[NB, 16, 64\] \(unquantised keys, as key_scales is None\)")):
+        wrong = list(base)
+        wrong[2], wrong[3] = value, None
+        with pytest.raises(ValueError, match=message):
+            tk.index_scores(*_dev(*wrong))
     scores, lengths = _dev(torch.zeros(2, 16), torch.tensor([3, 4]))
     with pytest.raises(ValueError, match="block must be a power of two"):
         tk.block_max(scores, lengths, 6)

@@ -1,5 +1,5 @@
-"""The V4.1 indexer as three CUDA-graph-safe kernels (H200 fast path); signatures and torch
-references in `dsv4.ops.indexer`.
+"""The indexer (V4.1's FP4 keys, V4-Flash's bf16 keys) as CUDA-graph-safe kernels (H200 fast
+path); signatures and torch references in `dsv4.ops.indexer`.
 
 Every kernel takes its per-row bounds from device tensors (`lengths`, `row_req`, `entries`),
 sizes its grid from tensor shapes only and loops in-kernel up to the row's real length: no host
@@ -16,9 +16,11 @@ the largest width and replayed with any lengths, doing work in proportion to the
   products). The keys are the M side (wgmma row blocks of 64), loaded in fragment order
   (`fp8_gemm.fragment_rows`, `fragment_dot_order`; Dk = 128), so the dequantised tile is the
   wgmma's register operand without a shared-memory round trip; the queries are loaded with
-  their channels in the same dot order. Rows of one request share a tile (prefill: the key
-  read and dequantisation are paid once per ROWS rows); a group of rows of several requests
-  scores them one after the other. Then relu, x Dk**-0.5, x the head weight, sum over heads.
+  their channels in the same dot order. V4-Flash's keys are stored unquantised (bf16 [NB, P,
+  Dk], RAW_KEYS): the tile is loaded as it is, channels in natural order, through the same
+  block-table addressing. Rows of one request share a tile (prefill: the key read and
+  dequantisation are paid once per ROWS rows); a group of rows of several requests scores them
+  one after the other. Then relu, x Dk**-0.5, x the head weight, sum over heads.
   Each column is one dot product per head in one order whatever tile, split or group computes
   it (wgmma's per-element sums do not depend on N), so a row's scores are the same bits alone
   or in any batch. S only spreads short batches over the SMs (S = 1 for prefill-sized T).
@@ -58,11 +60,17 @@ IDX_SCALE_BLOCK = tl.constexpr(32)  # one ue8m0 byte per 32 channels of an index
 # and dequantised once for ROWS rows); a group of rows of several requests scores them one
 # after the other, with the same bits. Smaller batches (decode: a request a row) take one row
 # a program, whose kernel needs far fewer registers (sm_90, Triton 3.6: 125 vs 255 and a
-# 120-byte spill at ROWS 4). PROGRAMS_PER_SM: the target of programs over all groups when T is
+# 120-byte spill at ROWS 4). MAX_STACKED_N: ROWS shrinks (`scores_rows`) so that ROWS x BLOCK_H
+# (heads padded to a power of two) stays within it, whatever the key format: the fp32
+# accumulator [BLOCK_N, N] alone takes BLOCK_N x N / (32 num_warps) registers a thread (N of
+# them at BLOCK_N 128, 4 warps), so N = 128 already takes half of the 255 a thread can have and
+# N = 256 cannot fit. V4.1's 32 heads keep ROWS 4; V4's 64 heads get 2 (sm_90, Triton 3.9
+# compile, 64 heads: bf16 keys 224 registers at 2 rows, 255 and a 600-byte spill at 4; FP4
+# keys 255 and a 200-byte spill at 4). PROGRAMS_PER_SM: the target of programs over all groups when T is
 # small (the split S of a row never changes its bits). scripts/check_kernels.py (`indexer`)
 # times alternatives: S13-2, against 64 columns / ROWS 8 / 8 programs an SM, decode T=64 x 64K
 # 0.242 -> 0.168 ms, T=1 x 512K 0.031 -> 0.026, prefill 4096 x 16K 1.41 -> 1.23.
-SCORES_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "ROWS": 4, "ROWS_MIN_T": 256, "PROGRAMS_PER_SM": 8}
+SCORES_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "ROWS": 4, "ROWS_MIN_T": 256, "MAX_STACKED_N": 128, "PROGRAMS_PER_SM": 8}
 FRAGMENT_DK = 128  # key width whose code tiles load in the wgmma operand's lane layout (V4.1's)
 BLOCK_MAX_CONFIG = {"TILE_BLOCKS": 128, "num_warps": 4, "PROGRAMS_PER_SM": 4}
 # BLOCK: columns per tile of every pass. A row is split into chunks of
@@ -103,13 +111,18 @@ def _key_scale_bytes(scales_ptr, loc, ok, DK: tl.constexpr):
 
 
 @triton.jit
-def _key_channel(p, FRAGMENT: tl.constexpr):
-    """The key channel at dot position p: the position in `dequant_fp4_key_words`' order (with
-    FRAGMENT relabelled by `fragment_dot_order`, 32 channels a lane), whose position e holds
-    channel 8 (e // 8) + (e % 8) // 2 + 4 (e % 2)."""
-    if FRAGMENT:
-        p = fragment_input(p, 32)
-    return (p // 8) * 8 + (p % 8) // 2 + 4 * (p % 2)
+def _key_channel(p, RAW_KEYS: tl.constexpr, FRAGMENT: tl.constexpr):
+    """The key channel at dot position p: p itself for RAW_KEYS (bf16 keys multiplied as
+    stored), else the position in `dequant_fp4_key_words`' order (with FRAGMENT relabelled by
+    `fragment_dot_order`, 32 channels a lane), whose position e holds channel
+    8 (e // 8) + (e % 8) // 2 + 4 (e % 2)."""
+    if RAW_KEYS:
+        channel = p
+    else:
+        if FRAGMENT:
+            p = fragment_input(p, 32)
+        channel = (p // 8) * 8 + (p % 8) // 2 + 4 * (p % 2)
+    return channel
 
 
 @triton.jit
@@ -143,12 +156,14 @@ def _score_rows(
     t0, req, split, n_split, H, width, scale,
     stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
     ROWS: tl.constexpr, PER_BLOCK: tl.constexpr, DK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr, PTX: tl.constexpr, FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr, RAW_KEYS: tl.constexpr, PTX: tl.constexpr, FRAGMENT: tl.constexpr,
+    WARPS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Scores of rows t0 .. t0 + ROWS - 1 (one request `req`; ROWS = 1 with HAS_ENTRIES) over
-    this program's tiles: each tile's keys are read and dequantised once and multiplied with
-    the rows' queries stacked as N = ROWS x BLOCK_H."""
+    this program's tiles: each tile's keys are read (and dequantised) once and multiplied with
+    the rows' queries stacked as N = ROWS x BLOCK_H. codes_ptr: the FP4 code bytes with their
+    scale bytes at scales_ptr, or with RAW_KEYS the bf16 keys themselves (scales_ptr unread)."""
+    tl.static_assert(not (RAW_KEYS and FRAGMENT), "fragment order relabels FP4 keys dequantised in registers")
     rows = t0 + tl.arange(0, ROWS)
     lengths = tl.minimum(tl.load(lengths_ptr + rows).to(tl.int32), width)
     longest = tl.max(lengths, axis=0)
@@ -157,14 +172,13 @@ def _score_rows(
     head = n % BLOCK_H
     h_ok = head < H
     # the queries as [Dk, rows x heads], channels in dot-position order, loaded once
-    ch = _key_channel(tl.arange(0, DK), FRAGMENT)
+    ch = _key_channel(tl.arange(0, DK), RAW_KEYS, FRAGMENT)
     q_t = tl.load(q_ptr + n_row[None, :] * stride_qt + head[None, :] * stride_qh + ch[:, None], mask=h_ok[None, :], other=0.0).to(tl.bfloat16)
     head_w = tl.load(w_ptr + n_row * stride_wt + head, mask=h_ok, other=0.0) * scale
     r = tl.arange(0, BLOCK_N)
     if FRAGMENT:
         r = fragment_rows(r, BLOCK_N, WARPS)  # the column offset tile row r loads
     cols = tl.arange(0, BLOCK_N)
-    words_ptr = codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     for tile in range(split, tl.cdiv(longest, BLOCK_N), n_split):
         c = tile * BLOCK_N + r
         in_row = c < longest
@@ -181,9 +195,14 @@ def _score_rows(
             entry = tl.where(ok, entry, 0)
             block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=ok, other=0).to(tl.int64)
             loc = block * PER_BLOCK + entry % PER_BLOCK
-        words = tl.load(words_ptr + loc[:, None] * (DK // 8) + tl.arange(0, DK // 8)[None, :], mask=ok[:, None], other=0)
-        keys = dequant_fp4_key_words(words, _key_scale_bytes(scales_ptr, loc, ok, DK), PTX)
-        acc = _rows_dot(fragment_dot_order(keys, BLOCK_N, DK, FRAGMENT, WARPS, 32), q_t, INTERPRETED)
+        if RAW_KEYS:
+            keys = tl.load(codes_ptr + loc[:, None] * DK + tl.arange(0, DK)[None, :], mask=ok[:, None], other=0.0)
+        else:
+            words_ptr = codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            words = tl.load(words_ptr + loc[:, None] * (DK // 8) + tl.arange(0, DK // 8)[None, :], mask=ok[:, None], other=0)
+            keys = dequant_fp4_key_words(words, _key_scale_bytes(scales_ptr, loc, ok, DK), PTX)
+            keys = fragment_dot_order(keys, BLOCK_N, DK, FRAGMENT, WARPS, 32)
+        acc = _rows_dot(keys, q_t, INTERPRETED)
         score = tl.sum(tl.reshape(tl.maximum(acc, 0.0) * head_w[None, :], (BLOCK_N, ROWS, BLOCK_H)), axis=2)
         cn = tile * BLOCK_N + cols
         written = cn[:, None] < lengths[None, :]
@@ -198,8 +217,8 @@ def _index_scores_kernel(
     T, H, width, scale,
     stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
     ROWS: tl.constexpr, PER_BLOCK: tl.constexpr, DK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr, PTX: tl.constexpr, FRAGMENT: tl.constexpr, WARPS: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr, RAW_KEYS: tl.constexpr, PTX: tl.constexpr, FRAGMENT: tl.constexpr,
+    WARPS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Program (group of ROWS rows, split): the group's rows share each dequantised key tile
     when they are of one request (a prefill chunk), else they are scored one after the other."""
@@ -210,7 +229,7 @@ def _index_scores_kernel(
         _score_rows(q_ptr, w_ptr, codes_ptr, scales_ptr, block_table_ptr, lengths_ptr, entries_ptr, out_ptr,
                     t0, tl.load(row_req_ptr + t0).to(tl.int64), split, n_split, H, width, scale,
                     stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
-                    1, PER_BLOCK, DK, BLOCK_H, BLOCK_N, HAS_ENTRIES, CONTIGUOUS, PTX, FRAGMENT, WARPS, INTERPRETED)
+                    1, PER_BLOCK, DK, BLOCK_H, BLOCK_N, HAS_ENTRIES, CONTIGUOUS, RAW_KEYS, PTX, FRAGMENT, WARPS, INTERPRETED)
     else:
         g = t0 + tl.arange(0, ROWS)
         reqs = tl.load(row_req_ptr + g, mask=g < T, other=-1).to(tl.int64)
@@ -218,7 +237,7 @@ def _index_scores_kernel(
             _score_rows(q_ptr, w_ptr, codes_ptr, scales_ptr, block_table_ptr, lengths_ptr, entries_ptr, out_ptr,
                         t0, tl.max(reqs, axis=0), split, n_split, H, width, scale,
                         stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
-                        ROWS, PER_BLOCK, DK, BLOCK_H, BLOCK_N, HAS_ENTRIES, CONTIGUOUS, PTX, FRAGMENT, WARPS, INTERPRETED)
+                        ROWS, PER_BLOCK, DK, BLOCK_H, BLOCK_N, HAS_ENTRIES, CONTIGUOUS, RAW_KEYS, PTX, FRAGMENT, WARPS, INTERPRETED)
         else:
             for i in range(ROWS):
                 t = t0 + i
@@ -226,26 +245,59 @@ def _index_scores_kernel(
                     _score_rows(q_ptr, w_ptr, codes_ptr, scales_ptr, block_table_ptr, lengths_ptr, entries_ptr, out_ptr,
                                 t, tl.load(row_req_ptr + t).to(tl.int64), split, n_split, H, width, scale,
                                 stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
-                                1, PER_BLOCK, DK, BLOCK_H, BLOCK_N, HAS_ENTRIES, CONTIGUOUS, PTX, FRAGMENT, WARPS, INTERPRETED)
+                                1, PER_BLOCK, DK, BLOCK_H, BLOCK_N, HAS_ENTRIES, CONTIGUOUS, RAW_KEYS, PTX, FRAGMENT, WARPS, INTERPRETED)
 
 
-def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengths, per_block: int, width: int, entries=None) -> torch.Tensor:
-    """Triton `dsv4.ops.indexer.index_scores` (same contract; columns >= lengths[t] are left
-    unwritten). q bf16 (or fp32 holding bf16 values) [T, H, Dk]."""
-    op = "index_scores"
-    if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float32):
-        _fail(op, "q", "bf16 [T, H, Dk] (fp32 holding bf16 values allowed)", _describe(q))
-    t, h, dk = q.shape
-    if dk < 32 or dk & (dk - 1):
-        _fail(op, "q", "[T, H, Dk] with Dk a power of two >= 32 (ue8m0 scale per 32 channels)", _describe(q))
-    if weights.dtype != torch.float32 or tuple(weights.shape) != (t, h):
-        _fail(op, "weights", f"float32 [{t}, {h}]", _describe(weights))
+def _block_h(heads: int) -> int:
+    """Query heads a row takes in the product's N: a power of two (tl.arange), at least 16 (the
+    tensor-core product's smallest N)."""
+    return max(16, triton.next_power_of_2(heads))
+
+
+def scores_rows(t: int, heads: int, has_entries: bool) -> int:
+    """Rows an `index_scores` program stacks as the product's N (`SCORES_CONFIG`): ROWS from
+    ROWS_MIN_T rows on, as many as fit MAX_STACKED_N columns of rows x padded heads (one row
+    at least); one row with entry lists (a row's own)."""
+    cfg = SCORES_CONFIG
+    if has_entries or t < cfg["ROWS_MIN_T"]:
+        return 1
+    return max(1, min(cfg["ROWS"], cfg["MAX_STACKED_N"] // _block_h(heads)))
+
+
+def _check_keys(op: str, key_codes, key_scales, per_block: int, dk: int) -> None:
+    """FP4 keys (uint8 codes + ue8m0 scale bytes, V4.1) or, with key_scales None, bf16 keys
+    (V4-Flash), entry-major and contiguous (the kernel addresses entry e of block b at
+    (b * per_block + e) * row size)."""
+    if key_scales is None:
+        if key_codes.dtype != torch.bfloat16 or key_codes.dim() != 3 or tuple(key_codes.shape[1:]) != (per_block, dk):
+            _fail(op, "key_codes", f"bf16 [NB, {per_block}, {dk}] (unquantised keys, as key_scales is None)", _describe(key_codes))
+        if not key_codes.is_contiguous():
+            _fail(op, "key_codes", "contiguous", "a strided tensor")
+        return
+    if dk < 32:
+        _fail(op, "q", "[T, H, Dk] with Dk >= 32 for FP4 keys (ue8m0 scale per 32 channels)", f"Dk {dk}")
     if key_codes.dtype != torch.uint8 or key_codes.dim() != 3 or tuple(key_codes.shape[1:]) != (per_block, dk // 2):
         _fail(op, "key_codes", f"uint8 [NB, {per_block}, {dk // 2}] (per_block entries, Dk/2 packed bytes)", _describe(key_codes))
     if key_scales.dtype != torch.uint8 or tuple(key_scales.shape) != (key_codes.shape[0], per_block, dk // 32):
         _fail(op, "key_scales", f"uint8 [{key_codes.shape[0]}, {per_block}, {dk // 32}] (ue8m0 bytes)", _describe(key_scales))
     if not (key_codes.is_contiguous() and key_scales.is_contiguous()):
         _fail(op, "key_codes / key_scales", "contiguous", "strided tensors")
+
+
+def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengths, per_block: int, width: int, entries=None) -> torch.Tensor:
+    """Triton `dsv4.ops.indexer.index_scores` (same contract; columns >= lengths[t] are left
+    unwritten). q bf16 (or fp32 holding bf16 values) [T, H, Dk]; keys FP4 (key_codes uint8
+    [NB, per_block, Dk/2], key_scales uint8 [NB, per_block, Dk/32]) or bf16 (key_codes bf16
+    [NB, per_block, Dk], key_scales None)."""
+    op = "index_scores"
+    if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float32):
+        _fail(op, "q", "bf16 [T, H, Dk] (fp32 holding bf16 values allowed)", _describe(q))
+    t, h, dk = q.shape
+    if dk < 16 or dk & (dk - 1):
+        _fail(op, "q", "[T, H, Dk] with Dk a power of two >= 16 (the tensor-core product's K)", _describe(q))
+    if weights.dtype != torch.float32 or tuple(weights.shape) != (t, h):
+        _fail(op, "weights", f"float32 [{t}, {h}]", _describe(weights))
+    _check_keys(op, key_codes, key_scales, per_block, dk)
     if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
         _fail(op, "block_tables", "int32/int64 [B, max_blocks]", _describe(block_tables))
     _check_index(op, "row_req", row_req, (t,))
@@ -264,15 +316,16 @@ def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengt
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     ent = out if entries is None else (entries if entries.stride(-1) == 1 else entries.contiguous())
-    rows = cfg["ROWS"] if entries is None and t >= cfg["ROWS_MIN_T"] else 1  # (an entry list is a row's own)
+    rows = scores_rows(t, h, entries is not None)
+    raw = key_scales is None
     groups = triton.cdiv(t, rows)
     split = max(1, min(triton.cdiv(width, bn), triton.cdiv(cfg["PROGRAMS_PER_SM"] * num_sms(q.device), groups)))
     _index_scores_kernel[(groups, split)](
-        q, weights, key_codes, key_scales, block_tables, row_req, lengths, ent, out,
+        q, weights, key_codes, key_codes if raw else key_scales, block_tables, row_req, lengths, ent, out,
         t, h, width, dk**-0.5,
         q.stride(0), q.stride(1), weights.stride(0), block_tables.stride(0), ent.stride(0), out.stride(0),
-        ROWS=rows, PER_BLOCK=per_block, DK=dk, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_N=bn, HAS_ENTRIES=entries is not None,
-        CONTIGUOUS=entries is None and per_block % bn == 0, PTX=ptx_convert(q.device), FRAGMENT=dk == FRAGMENT_DK,
+        ROWS=rows, PER_BLOCK=per_block, DK=dk, BLOCK_H=_block_h(h), BLOCK_N=bn, HAS_ENTRIES=entries is not None,
+        CONTIGUOUS=entries is None and per_block % bn == 0, RAW_KEYS=raw, PTX=ptx_convert(q.device), FRAGMENT=not raw and dk == FRAGMENT_DK,
         WARPS=cfg["num_warps"], INTERPRETED=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=cfg["num_warps"],
     )
     return out
