@@ -1,6 +1,7 @@
-"""Sparse MQA attention of the fast path: one softmax per query over its window keys (the FP8
-ring below the step's first position, the step's own keys from there on) and its selected
-compressed entries (FP4, paged), with the per-head sink in the denominator; K = V.
+"""Sparse MQA attention of the fast path: one softmax per query over its window keys (the ring
+below the step's first position, the step's own keys from there on) and its selected
+compressed entries (paged), with the per-head sink in the denominator; K = V. The caches come
+in V4.1's formats (FP8 ring, FP4 compressed KV) or V4's (both bf16 values, no scales).
 
 `sparse_attention` runs the Triton kernel (dsv4.ops.triton.attention, whose docstring gives
 the layouts) on CUDA bf16 tensors and the torch reference elsewhere (CPU runs of the fast
@@ -18,17 +19,15 @@ from dsv4.ops import on_triton
 
 
 def sparse_attention(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale: float) -> torch.Tensor:
-    """q [T, H, D] (after RoPE); kv_new [T, D] this step's window keys (FP8-rounded); ring
+    """q [T, H, D] (after RoPE); kv_new [T, D] this step's window keys (rounded as the ring stores them); ring
     FP8 codes [S, W, D] + ue8m0 bytes [S, W, D/32]; compressed KV packed FP4 [NB, P, D/2] +
     E4M3 scales [NB, P, D/16] — or, for V4's caches in the compute dtype, the values [S, W, D]
-    / [NB, P, D] with scales None (torch code only: no kernel reads them yet);
-    topk [T, k] selected entries (-1 = none; k may be 0);
+    / [NB, P, D] with scales None (each cache independently);
+    topk [T, k] selected entries (-1 = none; k may be 0; V4's HCA layers: every visible entry);
     token_req [T]; positions [T]; per request: start_pos, row_start (first row), slots,
     floors (window keys below are invisible); block_tables [B, max_blocks]; sink fp32 [H].
     -> [T, H, D] in q's dtype."""
     if on_triton(q) and q.dtype == torch.bfloat16:
-        if ring_scales is None or ckv_scales is None:
-            raise NotImplementedError("sparse_attention: no kernel reads unquantised (V4) caches yet; V4 runs the reference path on CUDA")
         from dsv4.ops.triton.attention import sparse_attention as kernel
 
         return kernel(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale)

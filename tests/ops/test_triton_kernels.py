@@ -17,6 +17,7 @@ import torch
 
 from dsv4.cache.storage import QTensor
 from dsv4.model import quant
+from dsv4.model.layers.attention import _stored
 from dsv4.ops import attention as attention_ops
 from dsv4.ops import kv as kvops
 from dsv4.ops import moe as moe_ref
@@ -793,16 +794,26 @@ def test_align_by_expert_layout(monkeypatch, n_exp, block_m):
 # ----------------------------------------------------------------------------------- attention
 
 
-def _attention_case(g, *, heads, dim, window, per_block, n_top, requests):
-    """A batch over random FP8 rings and FP4 paged compressed KV. `requests`: (start, count,
-    floor) per request. Returns the kernel arguments and the QTensors for the model path."""
+# the caches' stored forms: (bf16 ring, bf16 compressed KV); quantised otherwise (FP8 ring,
+# FP4 compressed KV). V4.1's, V4's, and a bf16 ring beside FP4 entries (each cache's form is its
+# own kernel constexpr; with FP4 entries the dense copy's path reads the bf16 ring too)
+ATTN_FORMATS = {"v41": (False, False), "v4": (True, True), "bf16_ring": (True, False)}
+
+
+def _attention_case(g, *, heads, dim, window, per_block, n_top, requests, formats="v41"):
+    """A batch over random rings and paged compressed KV stored as `formats` (ATTN_FORMATS).
+    `requests`: (start, count, floor) per request. Returns the kernel arguments and the
+    QTensors for the model path."""
+    bf16_ring, bf16_ckv = ATTN_FORMATS[formats]
     n_slots, n_blocks = len(requests) + 1, 12
     ring_vals = torch.randn(n_slots, window, dim, generator=g)
-    ring_codes, ring_scales = quant.quantize_fp8_ue8m0(ring_vals, 32)
-    ckv_codes, ckv_scales = quant.quantize_fp4(torch.randn(n_blocks, per_block, dim, generator=g) * 2, 16, e4m3_scale=True)
+    ckv_vals = torch.randn(n_blocks, per_block, dim, generator=g) * 2
+    ring = QTensor(values=ring_vals.bfloat16()) if bf16_ring else QTensor(None, *quant.quantize_fp8_ue8m0(ring_vals, 32))
+    ckv = QTensor(values=ckv_vals.bfloat16()) if bf16_ckv else QTensor(None, *quant.quantize_fp4(ckv_vals, 16, e4m3_scale=True))
+    (ring_codes, ring_scales), (ckv_codes, ckv_scales) = _stored(ring), _stored(ckv)  # as the model passes them
     t = sum(c for _, c, _ in requests)
     q = (torch.randn(t, heads, dim, generator=g) * 2).bfloat16()
-    kv_new = quant.fake_quant_fp8(torch.randn(t, dim, generator=g).bfloat16())
+    kv_new = kvops.round_trip(ring, torch.randn(t, dim, generator=g).bfloat16(), "window")  # as the ring holds keys
     max_blocks = 6
     block_tables = torch.stack([torch.randperm(n_blocks, generator=g)[:max_blocks] for _ in requests])
     token_req, positions, topk, row_start = [], [], [], []
@@ -835,8 +846,6 @@ def _attention_case(g, *, heads, dim, window, per_block, n_top, requests):
         "sink": torch.randn(heads, generator=g),
         "softmax_scale": dim**-0.5,
     }
-    ring = QTensor(codes=ring_codes, scales=ring_scales)
-    ckv = QTensor(codes=ckv_codes, scales=ckv_scales)
     return args, ring, ckv
 
 
@@ -880,6 +889,8 @@ ATTN_CASES = {
     # a window-only layer (no compressed entries): prefill, then a decode token with a floor
     "window_only": {"heads": 8, "dim": 64, "window": 16, "per_block": 8, "n_top": 0, "requests": [(0, 5, 0), (30, 1, 20)]},
 }
+# the kernel checks: every case in both models' formats, the mixed forms on the richest case
+ATTN_KERNEL_CASES = [(case, formats) for case in ATTN_CASES for formats in ("v41", "v4")] + [("mixed", "bf16_ring")]
 # the default tiling (one logits tile covers a window) and 16-key tiles (several statistics
 # tiles per key list, the window over several tiles, 16-pair operand pieces)
 ATTN_TILINGS = {"default": {}, "small": {"LOGIT_BLOCK_N": 16, "PV_BLOCK_N": 16, "PIECE": 16}}
@@ -890,15 +901,17 @@ ATTN_SPREADS = [
     {"TILES_PER_PROGRAM": 2, "LOGIT_BLOCK_H": 32, "DSPLIT": 2},
     {"TILES_PER_PROGRAM": 64, "LOGIT_BLOCK_H": 64, "DSPLIT": 4},
     # the compressed keys from the dense bf16 copy (prefill-sized steps) instead of the cache
+    # (FP4 entries only: bf16 ones are read in place whatever the config says)
     {"DENSE_CKV": True, "DSPLIT": 1},
     {"DENSE_CKV": True, "TILES_PER_PROGRAM": 1, "LOGIT_BLOCK_H": 16, "DSPLIT": 4},
 ]
 
 
+@pytest.mark.parametrize("formats", ATTN_FORMATS)
 @pytest.mark.parametrize("case", ATTN_CASES)
-def test_sparse_attention_reference_matches_definition(case):
+def test_sparse_attention_reference_matches_definition(case, formats):
     spec = ATTN_CASES[case]
-    args, ring, ckv = _attention_case(_gen(11), **spec)
+    args, ring, ckv = _attention_case(_gen(11), **spec, formats=formats)
     ref = attention_ops.sparse_attention_reference(**args)
     naive = _naive_attention(args, ring, ckv, spec["per_block"])
     assert _rel_err(ref, naive) <= 2 * BF16_REL
@@ -912,13 +925,17 @@ def _token_alone(args: dict, t: int) -> dict:
     return dict(args, **picked, row_start=args["row_start"] - t)
 
 
+def _on_device(args: dict) -> dict:
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
 @pytest.mark.parametrize("tiling", ATTN_TILINGS)
-@pytest.mark.parametrize("case", ATTN_CASES)
-def test_sparse_attention_matches_reference(case, tiling):
+@pytest.mark.parametrize("case,formats", ATTN_KERNEL_CASES)
+def test_sparse_attention_matches_reference(case, formats, tiling):
     spec = ATTN_CASES[case]
-    args, _, _ = _attention_case(_gen(11), **spec)
+    args, _, _ = _attention_case(_gen(11), **spec, formats=formats)
     ref = attention_ops.sparse_attention_reference(**args)
-    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    dev = _on_device(args)
     cfg = ATTN_TILINGS[tiling]
     y = tattn.sparse_attention(**dev, config=cfg)
     assert y.dtype == torch.bfloat16 and y.shape == ref.shape
@@ -932,6 +949,101 @@ def test_sparse_attention_matches_reference(case, tiling):
     # programs) has the bits it has in the batch
     last = y.shape[0] - 1
     assert torch.equal(tattn.sparse_attention(**_token_alone(dev, last), config=cfg)[0], y[last])
+
+
+class _Launches:
+    """A kernel whose launches are recorded as (name, grid) in `log`."""
+
+    def __init__(self, kernel, name: str, log: list):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append((self.name, grid))
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("per_launch", [5, 1])
+def test_sparse_attention_slices_tokens_to_bound_the_workspace(monkeypatch, per_launch):
+    """With the workspace bound at per_launch tokens' worth, a call runs its tokens in slices
+    of that many (a request's tokens split across slices: its window keys from kv_new rows in
+    another slice) and gives the bits of one launch over them all."""
+    spec = ATTN_CASES["mixed"]
+    dev = _on_device(_attention_case(_gen(11), **spec, formats="v4")[0])
+    whole = tattn.sparse_attention(**dev)
+    t, h = whole.shape[:2]
+    n_keys = spec["window"] + spec["n_top"]
+    n_tiles = tattn.launch_plan(t, h, spec["dim"], spec["window"], spec["n_top"], whole.device, tattn.CONFIG, 1, 1)["n_tiles"]
+    monkeypatch.setattr(tattn, "WORKSPACE_MAX_BYTES", tattn.workspace_bytes(per_launch + 1, h, n_keys, n_tiles) - 1)
+    launches = []
+    for name in ("_logits_kernel", "_pv_kernel"):
+        monkeypatch.setattr(tattn, name, _Launches(getattr(tattn, name), name, launches))
+    assert torch.equal(tattn.sparse_attention(**dev), whole)
+    sizes = [min(per_launch, t - t0) for t0 in range(0, t, per_launch)]
+    assert [(name, grid[0]) for name, grid in launches] == [(name, n) for n in sizes for name in ("_logits_kernel", "_pv_kernel")]
+
+
+@pytest.mark.parametrize("formats", ["v4", "v41"])
+def test_sparse_attention_skips_empty_tiles_of_wide_tables(monkeypatch, formats):
+    """A table wider than SKIP_EMPTY_MIN_ENTRIES (V4 HCA's every visible entry, as wide as the
+    capacity) skips its tiles without an entry: the bits of the loops over every tile, at any
+    tiling; the skipped tiles' logits are never stored (poisoned workspace: a read would show)."""
+    spec = dict(ATTN_CASES["mixed"], n_top=20)
+    args, _, _ = _attention_case(_gen(13), **spec, formats=formats)
+    visible = (args["positions"] + 1) // 2
+    width = 96  # entries 0 .. visible - 1 of every row, then -1 (two requests see fewer than 16)
+    cols = torch.arange(width)
+    dev = _on_device(dict(args, topk=torch.where(cols < visible.clamp(max=width).unsqueeze(1), cols, -1)))
+    small = {"LOGIT_BLOCK_N": 16, "PV_BLOCK_N": 16, "PIECE": 16}
+    monkeypatch.setattr(tattn, "SKIP_EMPTY_MIN_ENTRIES", 1 << 30)
+    whole = {name: tattn.sparse_attention(**dev, config=cfg) for name, cfg in (("default", {}), ("small", small))}
+    monkeypatch.setattr(tattn, "SKIP_EMPTY_MIN_ENTRIES", 0)
+    poisoned = _PoisonedTorch()
+    monkeypatch.setattr(tattn, "torch", poisoned)
+    for name, cfg in (("default", {}), ("small", small)):
+        assert torch.equal(tattn.sparse_attention(**dev, config=cfg), whole[name]), name
+        assert torch.equal(tattn.sparse_attention(**dev, config={**cfg, "TILES_PER_PROGRAM": 1, "DSPLIT": 4}), whole[name]), name
+
+
+def test_sparse_attention_workspace_bound_at_hca_widths():
+    """An 8192-token chunk of an HCA layer at 1M tokens (8192 compressed entries each) runs in
+    launches of as many tokens as fit WORKSPACE_MAX_BYTES; a V4.1 chunk (top-k 512) in one."""
+    cfg, cpu = tattn.CONFIG, torch.device("cpu")
+    hca = tattn.launch_plan(8192, 64, 512, 128, 8192, cpu, cfg, 1, 8192, fp4_ckv=False)
+
+    def size(tokens: int) -> int:
+        return tattn.workspace_bytes(tokens, 64, 128 + 8192, hca["n_tiles"])
+
+    assert size(hca["tokens"]) <= tattn.WORKSPACE_MAX_BYTES < size(hca["tokens"] + 1)
+    assert tattn.launch_plan(8192, 64, 512, 128, 512, cpu, cfg, 1, 2048)["tokens"] == 8192
+
+
+def test_sparse_attention_serves_bf16_caches_on_the_kernel_path(monkeypatch):
+    """dsv4.ops.attention.sparse_attention hands V4's unquantised caches to the kernel."""
+    monkeypatch.setattr("dsv4.ops.TRITON_ON_CPU", True)
+    dev = _on_device(_attention_case(_gen(3), **ATTN_CASES["window_only"], formats="v4")[0])
+    assert torch.equal(attention_ops.sparse_attention(**dev), tattn.sparse_attention(**dev))
+
+
+def test_sparse_attention_rejects_bad_caches():
+    """Each cache in neither form (FP8 ring / bf16 ring; FP4 / bf16 compressed KV) is refused
+    naming the argument and both forms."""
+    args, _, _ = _attention_case(_gen(3), **ATTN_CASES["window_only"], formats="v4")
+    fp8, _, _ = _attention_case(_gen(3), **ATTN_CASES["window_only"], formats="v41")
+    ring, ckv = args["ring_codes"], args["ckv_codes"]
+    bad = [
+        ({"ring_codes": ring.half()}, r"ring_codes must be float8_e4m3fn \[S, W, 64\] .* or V4's bf16 values \[S, W, 64\] with ring_scales None"),
+        ({"ring_codes": ring[..., :32].contiguous()}, "ring_codes must be"),
+        ({"ring_codes": fp8["ring_codes"]}, "ring_codes must be"),  # FP8 codes without their scales
+        ({"ring_scales": fp8["ring_scales"]}, "ring_codes must be"),  # bf16 values with scales
+        ({"ring_codes": ring.transpose(0, 1).contiguous().transpose(0, 1)}, "ring_codes must be contiguous"),
+        ({"ckv_codes": ckv.flatten(0, 1)}, r"ckv_codes must be packed FP4 uint8 \[NB, P, 32\] .* or V4's bf16 values \[NB, P, 64\] with ckv_scales None"),
+        ({"ckv_codes": fp8["ckv_codes"]}, "ckv_codes must be"),  # packed FP4 without its scales
+        ({"ckv_codes": ckv.float()}, "ckv_codes must be"),
+        ({"ckv_codes": ckv.transpose(0, 1).contiguous().transpose(0, 1)}, "ckv_codes must be contiguous"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            tattn.sparse_attention(**_on_device(dict(args, **change)))
 
 
 def test_dense_ckv_copy_is_the_cache_decoding_in_pieces():
@@ -958,6 +1070,9 @@ def test_sparse_attention_dense_keys_when_used_enough(monkeypatch):
     assert prefill["DENSE_CKV"] and not decode["DENSE_CKV"]
     assert not tattn.launch_plan(8192, 64, 512, 128, 0, cpu, cfg, 1, 2048)["DENSE_CKV"]
     assert not tattn.launch_plan(8192, 64, 512, 128, 0, cpu, dict(cfg, DENSE_CKV=True), 1, 2048)["DENSE_CKV"]
+    # V4's bf16 entries are read in place, whatever the config says
+    assert not tattn.launch_plan(8192, 64, 512, 128, 512, cpu, cfg, 1, 2048, fp4_ckv=False)["DENSE_CKV"]
+    assert not tattn.launch_plan(8192, 64, 512, 128, 512, cpu, dict(cfg, DENSE_CKV=True), 1, 2048, fp4_ckv=False)["DENSE_CKV"]
     monkeypatch.setattr(tattn, "DENSE_MAX_BYTES", 2048 * 512 * 2 - 1)
     assert not tattn.launch_plan(8192, 64, 512, 128, 512, cpu, cfg, 1, 2048)["DENSE_CKV"]
     with pytest.raises(ValueError, match="DENSE_CKV"):

@@ -1,18 +1,21 @@
-"""Sparse MQA attention over the V4.1 caches, read in their stored formats (H200 fast path).
+"""Sparse MQA attention over the V4.1 and V4 caches, read in their stored formats (H200 fast path).
 
 For every query token of a flat batch: one softmax over
 
 * the window keys, positions max(floor, p - W + 1) .. p — keys below the step's first position
-  p0 come from the request's FP8 ring (e4m3 codes + one ue8m0 byte per 32 channels, slot
-  position % W), the step's own keys (positions >= p0) from `kv_new`, the bf16 keys this step
-  computed (already FP8-rounded, as the model's QAT and the ring hold them). So the ring is
-  written *after* attention, for decode and prefill alike, exactly like the reference
+  p0 come from the request's ring (slot position % W): V4.1's FP8 ring (e4m3 codes + one ue8m0
+  byte per 32 channels) or V4's bf16 ring (the values, `ring_scales` None); the step's own keys
+  (positions >= p0) from `kv_new`, the bf16 keys this step computed (for V4.1 already
+  FP8-rounded, as the model's QAT and the ring hold them). So the ring is written *after*
+  attention, for decode and prefill alike, exactly like the reference
   (`Attention._window_keys` / `_write_ring`), and one launch serves chunked prefill, decode and
   mixed batches without ordering constraints;
 * the selected compressed entries `topk` [T, k] (entry index j of the request's compressed
   sequence, -1 = none), found through the block table at block j // P, offset j % P
-  (P = block_size / ratio) of the paged FP4 cache (e2m1 packed two per byte, low nibble = even
-  channel, one E4M3 scale per 16 channels);
+  (P = block_size / ratio) of the paged compressed cache: V4.1's FP4 (e2m1 packed two per byte,
+  low nibble = even channel, one E4M3 scale per 16 channels) or V4's bf16 values (`ckv_scales`
+  None). V4's HCA layers select every visible entry, so k reaches context / 128 (8192 at 1M
+  tokens): a call runs its tokens in slices whose workspace fits WORKSPACE_MAX_BYTES;
 * plus the per-head sink logit, which only enlarges the denominator.
 
 K = V (one shared 512-wide latent for all heads). Numerics follow `Attention._attend`: the
@@ -43,12 +46,12 @@ accumulation order or the per-head reductions over a tile's keys — so a token'
 depend on its batch (batch invariance) while the launch still fills the SMs at any batch
 size: "auto" gives few-token batches one logits tile per program, narrower head blocks when
 the tiles alone leave SMs idle, and several channel slices (DSPLIT) per token. Channels are
-handled as (even, odd) halves: byte c of a compressed entry holds channels 2c and 2c + 1, a
-uint16 of the ring two e4m3 codes, an int32 of kv_new / q two bf16 values, so every
-dequantisation is a plain load and nibble / byte / half extraction, never an interleave. Only V4.1's cache formats (FP8 ring, FP4
-compressed KV) are supported; V4's bf16 caches and all-visible HCA layers use the torch path.
+handled as (even, odd) halves: byte c of an FP4 compressed entry holds channels 2c and 2c + 1,
+a uint16 of the FP8 ring two e4m3 codes, an int32 of kv_new / q / V4's bf16 caches two bf16
+values, so every dequantisation is a plain load and nibble / byte / half extraction, never an
+interleave. Each cache's format is a constexpr of both kernels (RING_RAW, CKV_RAW: bf16 values).
 
-Prefill-sized steps read the compressed entries from a bf16 copy instead (DENSE_CKV below),
+Prefill-sized steps read V4.1's FP4 compressed entries from a bf16 copy instead (DENSE_CKV below),
 stored per entry in operand pieces: piece c holds the even channels of pairs c*PIECE ..
 (c+1)*PIECE - 1, then their odd channels, so a logits piece is two contiguous runs.
 """
@@ -103,9 +106,25 @@ LOGIT_BLOCK_HS = (64, 32, 16)  # widest first; 16 is the narrowest wgmma N worth
 # DENSE_MAX_BYTES (shapes only: requests x max_blocks x P entries); the kernels then load the
 # bf16 keys straight into the wgmma operands, with the same products in the same order, so a
 # token's bits do not depend on which form it read (the `invariance` device section checks).
+# V4's bf16 compressed entries are never copied: the copy exists to decode each FP4 entry once
+# instead of at every use, and a bf16 entry is read as plainly as its copy would be (int32
+# words split into the two halves, no scales). What the copy would still give, the keys in
+# shared memory by async copies in operand-piece layout, is unmeasured against writing and
+# reading every reached entry once more, so "auto" and True both leave bf16 entries in place.
 DENSE_MIN_USES = 4
 DENSE_MAX_BYTES = 256 << 20
 DENSE_ROWS = 16  # entries per program of the dense copy
+# The workspace of one launch pair (logits [tokens, H, keys] bf16 and the tiles' statistics)
+# stays within this: a call runs its tokens in slices of as many as fit. V4's HCA layers
+# attend every visible entry (8192 keys at 1M tokens: about 9 GB for an 8192-token chunk of
+# 64 heads in one piece); a token's bits do not depend on its batch, so slicing changes none.
+WORKSPACE_MAX_BYTES = 1 << 30
+# Selection tables wider than this (V4's HCA layers: every visible entry, the table as wide as
+# the block tables reach, e.g. 8192 entries at a 1M-token capacity while a request at 8K sees
+# 64) skip the tiles without a selected entry in both kernels: no key reads, products or
+# logits stores for them, the same results. Narrower tables (the top-512 selections) are full
+# but for a short context's tail, and keep the branch-free loops the software pipeliner wants.
+SKIP_EMPTY_MIN_ENTRIES = 512
 
 
 @triton.jit
@@ -150,29 +169,58 @@ def _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par,
 
 
 @triton.jit
+def _bf16_halves(words, par, BOTH: tl.constexpr):
+    """int32 words of two bf16 channels (the even one in the low half) -> the (even, odd)
+    channels, bf16, if BOTH, else channel 2p + par twice."""
+    if BOTH:
+        return (words << 16).to(tl.float32, bitcast=True).to(tl.bfloat16), (words & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    v = ((words >> (16 * par)) << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return v, v
+
+
+@triton.jit
+def _bf16_pairs(ptr, row, valid, p0, par, NP: tl.constexpr, DIM: tl.constexpr, BOTH: tl.constexpr):
+    """Channel pairs p0 .. p0 + NP of rows `row` of a bf16 [rows, DIM] tensor (V4's compressed
+    KV), as `_fp4_pairs`: one int32 word per pair, split into its halves."""
+    pair = p0 + tl.arange(0, NP)
+    words = tl.load(ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * (DIM // 2) + pair[None, :], mask=valid[:, None], other=0)
+    return _bf16_halves(words, par, BOTH)
+
+
+@triton.jit
 def _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, par,
-                  NP: tl.constexpr, WINDOW: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr):
+                  NP: tl.constexpr, WINDOW: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr,
+                  RING_RAW: tl.constexpr):
     """Channel pairs p0 .. p0 + NP of the window keys at positions kpos, as `_fp4_pairs`: the
-    ring's FP8 codes below the step's first position, this step's keys from there on."""
+    ring's keys below the step's first position (FP8 codes, or bf16 values if RING_RAW), this
+    step's keys from there on."""
     PAIRS: tl.constexpr = RING_SCALE_BLOCK // 2
     in_ring = valid & (kpos < start)
     in_new = valid & (kpos >= start)
     g = tl.arange(0, NP // PAIRS)
     pair = p0 + g[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
     ring_row = slot * WINDOW + tl.where(valid, kpos, 0) % WINDOW
-    codes = tl.load(ring_ptr.to(tl.pointer_type(tl.uint16)) + ring_row[:, None, None] * (DIM // 2) + pair, mask=in_ring[:, None, None], other=0).to(tl.int32)
-    scale = tl.load(ring_scale_ptr + ring_row[:, None] * (DIM // RING_SCALE_BLOCK) + p0 // PAIRS + g[None, :], mask=in_ring[:, None], other=0)
-    scale = e8m0_to_fp32(scale)[:, :, None]
+    if RING_RAW:  # bf16 values: int32 words of two channels, as kv_new's
+        ring_words = tl.load(ring_ptr.to(tl.pointer_type(tl.int32)) + ring_row[:, None, None] * (DIM // 2) + pair, mask=in_ring[:, None, None], other=0)
+    else:
+        codes = tl.load(ring_ptr.to(tl.pointer_type(tl.uint16)) + ring_row[:, None, None] * (DIM // 2) + pair, mask=in_ring[:, None, None], other=0).to(tl.int32)
+        scale = tl.load(ring_scale_ptr + ring_row[:, None] * (DIM // RING_SCALE_BLOCK) + p0 // PAIRS + g[None, :], mask=in_ring[:, None], other=0)
+        scale = e8m0_to_fp32(scale)[:, :, None]
     new_row = row0 + tl.where(in_new, kpos - start, 0)
     words = tl.load(kv_new_ptr.to(tl.pointer_type(tl.int32)) + new_row[:, None, None] * (stride_kv // 2) + pair, mask=in_new[:, None, None], other=0)
-    # one term of each sum is 0 (masked loads): exact
-    if BOTH:
-        lo = _fp8_code(codes) * scale + (words << 16).to(tl.float32, bitcast=True)
-        hi = _fp8_code(codes >> 8) * scale + (words & -65536).to(tl.float32, bitcast=True)
-        return tl.reshape(lo, (BLOCK_N, NP)).to(tl.bfloat16), tl.reshape(hi, (BLOCK_N, NP)).to(tl.bfloat16)
-    v = _fp8_code(codes >> (8 * par)) * scale + ((words >> (16 * par)) << 16).to(tl.float32, bitcast=True)
-    v = tl.reshape(v, (BLOCK_N, NP)).to(tl.bfloat16)
-    return v, v
+    # each key's ring or kv_new load is masked to 0, so | (bf16 words) and + (values) merge the
+    # two exactly. if / else, not an early return: the compiler would still build the FP8 code
+    # after one, which needs `codes`
+    if RING_RAW:
+        return _bf16_halves(tl.reshape(words | ring_words, (BLOCK_N, NP)), par, BOTH)
+    else:
+        if BOTH:
+            lo = _fp8_code(codes) * scale + (words << 16).to(tl.float32, bitcast=True)
+            hi = _fp8_code(codes >> 8) * scale + (words & -65536).to(tl.float32, bitcast=True)
+            return tl.reshape(lo, (BLOCK_N, NP)).to(tl.bfloat16), tl.reshape(hi, (BLOCK_N, NP)).to(tl.bfloat16)
+        v = _fp8_code(codes >> (8 * par)) * scale + ((words >> (16 * par)) << 16).to(tl.float32, bitcast=True)
+        v = tl.reshape(v, (BLOCK_N, NP)).to(tl.bfloat16)
+        return v, v
 
 
 @triton.jit
@@ -231,8 +279,7 @@ def _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE: tl.constexpr
 def _q_piece(q_words, c, PIECE: tl.constexpr, h_ok):
     """q^T's piece c as (even, odd) channels, bf16 [PIECE, BLOCK_H] each, from q's words at
     q_words ([PIECE, BLOCK_H] pointers of piece 0): `_q_pieces`' values."""
-    words = tl.load(q_words + c * PIECE, mask=h_ok[None, :], other=0)
-    return (words << 16).to(tl.float32, bitcast=True).to(tl.bfloat16), (words & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return _bf16_halves(tl.load(q_words + c * PIECE, mask=h_ok[None, :], other=0), 0, True)
 
 
 @triton.jit
@@ -250,6 +297,16 @@ def _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, key, key_ok, tok, tile, n
 
 
 @triton.jit
+def _empty_tile(stat_ptr, tok, tile, n_tiles, heads, h_ok, H):
+    """The statistics of a tile without a selected entry (those `_logit_tile` stores for an
+    all-masked tile: max -1e30, sum 0); its logits are not stored (SKIP_EMPTY: the PV kernel
+    skips the tile too)."""
+    stat = ((tok * n_tiles + tile) * H + heads) * 2
+    tl.store(stat_ptr + stat, tl.full(heads.shape, -1e30, tl.float32), mask=h_ok)
+    tl.store(stat_ptr + stat + 1, tl.zeros(heads.shape, tl.float32), mask=h_ok)
+
+
+@triton.jit
 def _logits_kernel(
     q_ptr, kv_new_ptr, ring_ptr, ring_scale_ptr, ckv_ptr, ckv_scale_ptr, topk_ptr,
     token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr,
@@ -258,9 +315,11 @@ def _logits_kernel(
     stride_qt, stride_qh, stride_kv, stride_top, stride_bt,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DENSE: tl.constexpr, DENSE_STAGES: tl.constexpr,
+    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     """Program (token, head block, run of tiles_per_program logits tiles). DENSE: the
-    compressed keys from the dense copy (dense_rows rows per request)."""
+    compressed keys from the dense copy (dense_rows rows per request). RING_RAW / CKV_RAW: the
+    ring / the compressed KV hold bf16 values (no scales)."""
     tok = tl.program_id(0).to(tl.int64)
     req = tl.load(token_req_ptr + tok)
     pos = tl.load(pos_ptr + tok)
@@ -291,13 +350,13 @@ def _logits_kernel(
         s_t = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
         if DENSE:
             for c in tl.range(0, N_PIECES, num_stages=DENSE_STAGES):
-                k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True)
+                k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True, RING_RAW)
                 q_lo_c, q_hi_c = _q_piece(q_words, c, PIECE, h_ok)
                 s_t = tl.dot(k_lo, q_lo_c, s_t)
                 s_t = tl.dot(k_hi, q_hi_c, s_t)
         else:
             for c in tl.static_range(N_PIECES):
-                k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True)
+                k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True, RING_RAW)
                 s_t = tl.dot(k_lo, q_lo[c], s_t)
                 s_t = tl.dot(k_hi, q_hi[c], s_t)
         _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, idx, idx < WINDOW, tok, tile, n_tiles, heads, h_ok, H, n_keys)
@@ -305,28 +364,38 @@ def _logits_kernel(
         c_idx = (tile - w_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         entry = tl.load(topk_ptr + tok * stride_top + c_idx, mask=c_idx < n_top, other=-1)
         valid = entry >= 0
-        entry = tl.where(valid, entry, 0)
-        s_t = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-        if DENSE:  # the bf16 keys go to shared memory by async copies
-            row = req.to(tl.int64) * dense_rows + entry
-            for c in tl.range(0, N_PIECES, num_stages=DENSE_STAGES):
-                k_lo, k_hi = _dense_pairs(dense_ptr, row, valid, c * PIECE, 0, PIECE, DIM, PIECE, True)
-                q_lo_c, q_hi_c = _q_piece(q_words, c, PIECE, h_ok)
-                s_t = tl.dot(k_lo, q_lo_c, s_t)
-                s_t = tl.dot(k_hi, q_hi_c, s_t)
+        taken = True  # (a constexpr: no branch without SKIP_EMPTY)
+        if SKIP_EMPTY:
+            taken = tl.max(valid.to(tl.int32), axis=0) > 0
+        if taken:
+            entry = tl.where(valid, entry, 0)
+            s_t = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+            if DENSE:  # the bf16 keys go to shared memory by async copies
+                row = req.to(tl.int64) * dense_rows + entry
+                for c in tl.range(0, N_PIECES, num_stages=DENSE_STAGES):
+                    k_lo, k_hi = _dense_pairs(dense_ptr, row, valid, c * PIECE, 0, PIECE, DIM, PIECE, True)
+                    q_lo_c, q_hi_c = _q_piece(q_words, c, PIECE, h_ok)
+                    s_t = tl.dot(k_lo, q_lo_c, s_t)
+                    s_t = tl.dot(k_hi, q_hi_c, s_t)
+            else:
+                block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
+                loc = block * PER_BLOCK + entry % PER_BLOCK
+                if not CKV_RAW:
+                    # the whole rows' scales in one (prefetched) load, each piece's groups picked out of it
+                    GROUPS: tl.constexpr = PIECE // (CKV_SCALE_BLOCK // 2)
+                    scales = tl.reshape(_fp4_scales(ckv_scale_ptr, loc, valid, 0, DIM // CKV_SCALE_BLOCK, DIM), (BLOCK_N, N_PIECES, GROUPS))
+                    which = tl.arange(0, N_PIECES)[None, :, None]
+                for c in tl.static_range(N_PIECES):
+                    if CKV_RAW:
+                        k_lo, k_hi = _bf16_pairs(ckv_ptr, loc, valid, c * PIECE, 0, PIECE, DIM, True)
+                    else:
+                        scale = tl.sum(tl.where(which == c, scales, 0.0), axis=1)
+                        k_lo, k_hi = _fp4_pairs(ckv_ptr, scale, loc, valid, c * PIECE, 0, PIECE, DIM, BLOCK_N, True)
+                    s_t = tl.dot(k_lo, q_lo[c], s_t)
+                    s_t = tl.dot(k_hi, q_hi[c], s_t)
+            _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, WINDOW + c_idx, c_idx < n_top, tok, tile, n_tiles, heads, h_ok, H, n_keys)
         else:
-            block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
-            loc = block * PER_BLOCK + entry % PER_BLOCK
-            # the whole rows' scales in one (prefetched) load, each piece's groups picked out of it
-            GROUPS: tl.constexpr = PIECE // (CKV_SCALE_BLOCK // 2)
-            scales = tl.reshape(_fp4_scales(ckv_scale_ptr, loc, valid, 0, DIM // CKV_SCALE_BLOCK, DIM), (BLOCK_N, N_PIECES, GROUPS))
-            which = tl.arange(0, N_PIECES)[None, :, None]
-            for c in tl.static_range(N_PIECES):
-                scale = tl.sum(tl.where(which == c, scales, 0.0), axis=1)
-                k_lo, k_hi = _fp4_pairs(ckv_ptr, scale, loc, valid, c * PIECE, 0, PIECE, DIM, BLOCK_N, True)
-                s_t = tl.dot(k_lo, q_lo[c], s_t)
-                s_t = tl.dot(k_hi, q_hi[c], s_t)
-        _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, WINDOW + c_idx, c_idx < n_top, tok, tile, n_tiles, heads, h_ok, H, n_keys)
+            _empty_tile(stat_ptr, tok, tile, n_tiles, heads, h_ok, H)
 
 
 @triton.jit
@@ -337,10 +406,12 @@ def _pv_kernel(
     stride_kv, stride_top, stride_bt, stride_ot, stride_oh,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr, N_TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr, DENSE: tl.constexpr, PIECE: tl.constexpr,
+    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     """Program (token, head block x channel slice): slice 2r + par of DSPLIT holds channels
     2p + par for the pairs p of range r (DSPLIT = 1: every channel, as two halves). DENSE: the
-    compressed values from the dense copy (pieces of PIECE pairs)."""
+    compressed values from the dense copy (pieces of PIECE pairs). RING_RAW / CKV_RAW: the
+    ring / the compressed KV hold bf16 values (no scales)."""
     BOTH: tl.constexpr = DSPLIT == 1
     NP: tl.constexpr = DIM // 2 if DSPLIT <= 2 else DIM // DSPLIT  # channel pairs of the slice
     tok = tl.program_id(0).to(tl.int64)
@@ -378,7 +449,7 @@ def _pv_kernel(
         kpos = pos - (WINDOW - 1) + idx
         valid = (idx < WINDOW) & (kpos >= floor)
         p = tl.exp(tl.load(s_row + idx[None, :], mask=h_ok[:, None] & (idx < WINDOW)[None, :], other=float("-inf")) - m[:, None])
-        v_a, v_b = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, par, NP, WINDOW, DIM, BLOCK_N, BOTH)
+        v_a, v_b = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, par, NP, WINDOW, DIM, BLOCK_N, BOTH, RING_RAW)
         acc_a = tl.dot(p.to(tl.bfloat16), v_a, acc_a)
         if BOTH:
             acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
@@ -386,18 +457,25 @@ def _pv_kernel(
         c_idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         entry = tl.load(topk_ptr + tok * stride_top + c_idx, mask=c_idx < n_top, other=-1)
         valid = entry >= 0
-        entry = tl.where(valid, entry, 0)
-        p = tl.exp(tl.load(s_row + WINDOW + c_idx[None, :], mask=h_ok[:, None] & (c_idx < n_top)[None, :], other=float("-inf")) - m[:, None])
-        if DENSE:
-            v_a, v_b = _dense_pairs(dense_ptr, req.to(tl.int64) * dense_rows + entry, valid, p0, par, NP, DIM, PIECE, BOTH)
-        else:
-            block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
-            loc = block * PER_BLOCK + entry % PER_BLOCK
-            scale = _fp4_scales(ckv_scale_ptr, loc, valid, p0 // (CKV_SCALE_BLOCK // 2), NP // (CKV_SCALE_BLOCK // 2), DIM)
-            v_a, v_b = _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par, NP, DIM, BLOCK_N, BOTH)
-        acc_a = tl.dot(p.to(tl.bfloat16), v_a, acc_a)
-        if BOTH:
-            acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
+        taken = True  # (a constexpr: no branch without SKIP_EMPTY)
+        if SKIP_EMPTY:  # a tile without an entry: the logits kernel stored nothing, every probability is 0
+            taken = tl.max(valid.to(tl.int32), axis=0) > 0
+        if taken:
+            entry = tl.where(valid, entry, 0)
+            p = tl.exp(tl.load(s_row + WINDOW + c_idx[None, :], mask=h_ok[:, None] & (c_idx < n_top)[None, :], other=float("-inf")) - m[:, None])
+            if DENSE:
+                v_a, v_b = _dense_pairs(dense_ptr, req.to(tl.int64) * dense_rows + entry, valid, p0, par, NP, DIM, PIECE, BOTH)
+            else:
+                block = tl.load(block_table_ptr + req * stride_bt + entry // PER_BLOCK, mask=valid, other=0).to(tl.int64)
+                loc = block * PER_BLOCK + entry % PER_BLOCK
+                if CKV_RAW:
+                    v_a, v_b = _bf16_pairs(ckv_ptr, loc, valid, p0, par, NP, DIM, BOTH)
+                else:
+                    scale = _fp4_scales(ckv_scale_ptr, loc, valid, p0 // (CKV_SCALE_BLOCK // 2), NP // (CKV_SCALE_BLOCK // 2), DIM)
+                    v_a, v_b = _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par, NP, DIM, BLOCK_N, BOTH)
+            acc_a = tl.dot(p.to(tl.bfloat16), v_a, acc_a)
+            if BOTH:
+                acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
 
     inv = (1.0 / denom)[:, None]
     j = tl.arange(0, NP)
@@ -410,28 +488,55 @@ def _pv_kernel(
         tl.store(out_ptr + row + 2 * (p0 + j[None, :]) + par, (acc_a * inv).to(tl.bfloat16), mask=h_ok[:, None])
 
 
+def _described(x: torch.Tensor | None) -> str:
+    """dtype and shape for an error message."""
+    return "None" if x is None else f"{x.dtype} {list(x.shape)}"
+
+
 def _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk) -> None:
     t, _, dim = q.shape
     if q.dtype != torch.bfloat16 or kv_new.dtype != torch.bfloat16 or tuple(kv_new.shape) != (t, dim):
         raise ValueError(f"sparse_attention: q must be bf16 [T, H, D] and kv_new bf16 [T, D], got {list(q.shape)} {q.dtype}, {list(kv_new.shape)} {kv_new.dtype}")
     if dim % RING_SCALE_BLOCK.value or dim & (dim - 1):
         raise ValueError(f"sparse_attention: head_dim must be a power of two multiple of {RING_SCALE_BLOCK.value}, got {dim}")
-    if ring_codes.dtype != torch.float8_e4m3fn or ring_codes.shape[-1] != dim or ring_scales.shape[-1] != dim // RING_SCALE_BLOCK.value:
-        raise ValueError("sparse_attention: ring must be float8_e4m3fn [S, W, D] with uint8 scales [S, W, D/32]")
-    if ckv_codes.shape[-1] != dim // 2 or ckv_scales.dtype != torch.float8_e4m3fn or ckv_scales.shape[-1] != dim // CKV_SCALE_BLOCK.value:
-        raise ValueError("sparse_attention: compressed KV must be packed uint8 [NB, P, D/2] with float8_e4m3fn scales [NB, P, D/16]")
+
+    def rows(x: torch.Tensor, dtype: torch.dtype, width: int) -> bool:
+        return x.dtype == dtype and x.dim() == 3 and x.shape[2] == width
+
+    if ring_scales is None:
+        ring_ok = rows(ring_codes, torch.bfloat16, dim)
+    else:  # ue8m0 scales come as uint8 or float8_e8m0fnu: any one-byte dtype
+        ring_ok = (rows(ring_codes, torch.float8_e4m3fn, dim) and ring_scales.element_size() == 1
+                   and tuple(ring_scales.shape) == (*ring_codes.shape[:2], dim // RING_SCALE_BLOCK.value))
+    if not ring_ok:
+        raise ValueError(f"sparse_attention: ring_codes must be float8_e4m3fn [S, W, {dim}] with ring_scales one ue8m0 byte per "
+                         f"{RING_SCALE_BLOCK.value} channels [S, W, {dim // RING_SCALE_BLOCK.value}], or V4's bf16 values [S, W, {dim}] "
+                         f"with ring_scales None; got ring_codes {_described(ring_codes)}, ring_scales {_described(ring_scales)}")
+    if ckv_scales is None:
+        ckv_ok = rows(ckv_codes, torch.bfloat16, dim)
+    else:
+        ckv_ok = (rows(ckv_codes, torch.uint8, dim // 2) and ckv_scales.dtype == torch.float8_e4m3fn
+                  and tuple(ckv_scales.shape) == (*ckv_codes.shape[:2], dim // CKV_SCALE_BLOCK.value))
+    if not ckv_ok:
+        raise ValueError(f"sparse_attention: ckv_codes must be packed FP4 uint8 [NB, P, {dim // 2}] with ckv_scales float8_e4m3fn "
+                         f"[NB, P, {dim // CKV_SCALE_BLOCK.value}], or V4's bf16 values [NB, P, {dim}] with ckv_scales None; "
+                         f"got ckv_codes {_described(ckv_codes)}, ckv_scales {_described(ckv_scales)}")
     if topk.dim() != 2 or topk.shape[0] != t:
         raise ValueError(f"sparse_attention: topk must be [T, k], got {list(topk.shape)}")
-    for name, x in (("ring", ring_codes), ("ring scales", ring_scales), ("compressed KV", ckv_codes), ("compressed scales", ckv_scales)):
-        if not x.is_contiguous():
+    for name, x in (("ring_codes", ring_codes), ("ring_scales", ring_scales), ("ckv_codes", ckv_codes), ("ckv_scales", ckv_scales)):
+        if x is not None and not x.is_contiguous():
             raise ValueError(f"sparse_attention: {name} must be contiguous")
 
 
-def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch.device, cfg: dict, requests: int, entries: int) -> dict:
-    """Grid choices of a call with `requests` block tables of `entries` compressed entries each
-    (max_blocks x P): logits tiles, logits head block, logits programs per (token, head
-    block), PV channel slices and PV key tile, and whether the compressed keys are read from a
-    dense bf16 copy (DENSE_CKV; "auto"; none of them changes any result).
+def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch.device, cfg: dict, requests: int, entries: int,
+                fp4_ckv: bool = True) -> dict:
+    """Grid choices of a call of t tokens with `requests` block tables of `entries` compressed
+    entries each (max_blocks x P), FP4 ones unless `fp4_ckv` is False (V4's bf16): tokens per
+    launch pair (the most whose workspace fits WORKSPACE_MAX_BYTES), logits tiles, logits head
+    block, logits programs per (token, head block), PV channel slices and PV key tile (for a
+    launch of that many tokens), and whether the compressed keys are read from a dense bf16
+    copy (DENSE_CKV; "auto"; FP4 entries only, see DENSE_MIN_USES; one copy serves every
+    launch). None of them changes any result.
     Logits: the widest head block that gives at least half as many programs as SMs (a narrower
     block dequantises every key again), tiles spread over programs up to one program per SM.
     PV: 16 channel slices while they fit in one wave, else the most slices that keep the
@@ -441,14 +546,15 @@ def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch
     49.5 to 39.3, while at T=64 two slices were 25% slower than one.)"""
     bh = cfg["BLOCK_H"]
     n_tiles = triton.cdiv(window, cfg["LOGIT_BLOCK_N"]) + triton.cdiv(n_top, cfg["LOGIT_BLOCK_N"])
-    rows = t * triton.cdiv(h, bh)
+    tokens = max(1, min(t, WORKSPACE_MAX_BYTES // workspace_bytes(1, h, window + n_top, n_tiles)))
+    rows = tokens * triton.cdiv(h, bh)
     sms = num_sms(device)
     lbh = cfg["LOGIT_BLOCK_H"]
     if lbh == "auto":
-        lbh = next((b for b in LOGIT_BLOCK_HS if t * triton.cdiv(h, b) * n_tiles >= sms // 2), LOGIT_BLOCK_HS[-1])
+        lbh = next((b for b in LOGIT_BLOCK_HS if tokens * triton.cdiv(h, b) * n_tiles >= sms // 2), LOGIT_BLOCK_HS[-1])
     if lbh not in LOGIT_BLOCK_HS:
         raise ValueError(f"sparse_attention: LOGIT_BLOCK_H must be 'auto' or one of {LOGIT_BLOCK_HS}, got {lbh!r}")
-    logit_rows = t * triton.cdiv(h, lbh)
+    logit_rows = tokens * triton.cdiv(h, lbh)
     tiles = cfg["TILES_PER_PROGRAM"]
     if tiles == "auto":
         tiles = triton.cdiv(n_tiles, max(1, min(n_tiles, triton.cdiv(sms, logit_rows))))
@@ -467,8 +573,14 @@ def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch
         dense = t * n_top >= DENSE_MIN_USES * copied and copied * dim * 2 <= DENSE_MAX_BYTES
     if dense not in (True, False):
         raise ValueError(f"sparse_attention: DENSE_CKV must be 'auto', True or False, got {dense!r}")
-    return {"n_tiles": n_tiles, "LOGIT_BLOCK_H": lbh, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit,
-            "PV_BLOCK_N": pv_block_n(dsplit, cfg), "DENSE_CKV": bool(dense and n_top > 0)}
+    return {"tokens": tokens, "n_tiles": n_tiles, "LOGIT_BLOCK_H": lbh, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit,
+            "PV_BLOCK_N": pv_block_n(dsplit, cfg), "DENSE_CKV": bool(dense and n_top > 0 and fp4_ckv)}
+
+
+def workspace_bytes(tokens: int, h: int, n_keys: int, n_tiles: int) -> int:
+    """Bytes of a launch pair's workspace: the logits [tokens, H, keys] bf16 and the tiles'
+    statistics [tokens, tiles, H, 2] fp32."""
+    return tokens * h * (2 * n_keys + 8 * n_tiles)
 
 
 def dense_ckv(ckv_codes: torch.Tensor, ckv_scales: torch.Tensor, block_tables: torch.Tensor, piece: int) -> torch.Tensor:
@@ -518,13 +630,16 @@ def sparse_attention(
     """Sparse MQA over window ring + selected compressed entries (module docstring).
 
     q bf16 [T, H, D] (after RoPE); kv_new bf16 [T, D] this step's window keys; ring_codes
-    float8_e4m3fn [S, W, D] + ring_scales uint8 [S, W, D/32]; ckv_codes uint8 [NB, P, D/2] +
-    ckv_scales float8_e4m3fn [NB, P, D/16]; topk int [T, k] (-1 = none; k may be 0);
+    float8_e4m3fn [S, W, D] + ring_scales uint8 [S, W, D/32], or V4's bf16 ring [S, W, D] with
+    ring_scales None; ckv_codes uint8 [NB, P, D/2] + ckv_scales float8_e4m3fn [NB, P, D/16], or
+    V4's bf16 compressed KV [NB, P, D] with ckv_scales None (each cache's form independent of
+    the other's); topk int [T, k] (-1 = none; k may be 0);
     token_req int [T] request of each token; positions int [T]; per request (int [B]):
     start_pos (first position of the step), row_start (its first row in q / kv_new), slots,
     floors (window keys below are invisible); block_tables int [B, max_blocks]; sink fp32 [H].
     `config` overrides entries of CONFIG for this call (tiling experiments).
-    -> bf16 [T, H, D]. Shapes alone decide the launch: no host synchronisation (CUDA graphs)."""
+    -> bf16 [T, H, D]. Shapes alone decide the launches (one pair per `launch_plan` slice of
+    tokens): no host synchronisation (CUDA graphs)."""
     _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk)
     cfg = CONFIG if config is None else {**CONFIG, **config}
     t, h, dim = q.shape
@@ -538,29 +653,40 @@ def sparse_attention(
     topk = topk.contiguous()
     n_top = topk.shape[1]
     sink = sink.float().contiguous()
+    ring_raw, ckv_raw = ring_scales is None, ckv_scales is None
     dense_rows = block_tables.shape[1] * per_block  # a request's rows in the dense copy
-    plan = launch_plan(t, h, dim, window, n_top, q.device, cfg, block_tables.shape[0], dense_rows)
-    n_keys, n_tiles, bh = window + n_top, plan["n_tiles"], cfg["BLOCK_H"]
+    plan = launch_plan(t, h, dim, window, n_top, q.device, cfg, block_tables.shape[0], dense_rows, fp4_ckv=not ckv_raw)
+    tokens, n_keys, n_tiles, bh = plan["tokens"], window + n_top, plan["n_tiles"], cfg["BLOCK_H"]
     piece = min(cfg["PIECE"], dim // 2)
     dense = plan["DENSE_CKV"]
-    # without the copy the kernels take an unused pointer in its place
+    # without the copy, or without scales, the kernels take an unused pointer in its place
     dense_keys = dense_ckv(ckv_codes, ckv_scales, block_tables, piece) if dense else ckv_codes
-    logits = torch.empty(t, h, n_keys, dtype=torch.bfloat16, device=q.device)
-    stats = torch.empty(t, n_tiles, h, 2, dtype=torch.float32, device=q.device)
-    index = (token_req, positions, start_pos, row_start, slots, floors, block_tables)
+    ring_scale_bytes = ring_codes if ring_raw else ring_scales.view(torch.uint8)
+    ckv_scale_arg = ckv_codes if ckv_raw else ckv_scales
+    # one workspace, reused by each launch pair in turn (stream order)
+    logits = torch.empty(tokens, h, n_keys, dtype=torch.bfloat16, device=q.device)
+    stats = torch.empty(tokens, n_tiles, h, 2, dtype=torch.float32, device=q.device)
     lbh = plan["LOGIT_BLOCK_H"]
-    _logits_kernel[(t, triton.cdiv(h, lbh), plan["logit_programs"])](
-        q, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, dense_keys, logits, stats,
-        h, n_top, n_keys, n_tiles, plan["tiles_per_program"], float(softmax_scale), dense_rows,
-        q.stride(0), q.stride(1), kv_new.stride(0), topk.stride(0), block_tables.stride(0),
-        WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=lbh, BLOCK_N=cfg["LOGIT_BLOCK_N"], PIECE=piece, DENSE=dense, DENSE_STAGES=cfg["dense_stages"],
-        num_warps=cfg["logit_warps"], num_stages=cfg["logit_stages"], **({"maxnreg": cfg["dense_logit_maxnreg"]} if dense and cfg["dense_logit_maxnreg"] else {}),
-    )
-    _pv_kernel[(t, triton.cdiv(h, bh) * plan["DSPLIT"])](
-        logits, stats, kv_new, ring_codes, ring_scales.view(torch.uint8), ckv_codes, ckv_scales, topk, *index, sink, dense_keys, out,
-        h, n_top, n_keys, dense_rows,
-        kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-        WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=plan["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"], DENSE=dense, PIECE=piece,
-        num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"],
-    )
+    formats = {"RING_RAW": ring_raw, "CKV_RAW": ckv_raw, "SKIP_EMPTY": n_top > SKIP_EMPTY_MIN_ENTRIES}
+    # the tokens in slices of `tokens` rows; kv_new and the per-request tensors stay whole (a
+    # token's window reads its request's rows of kv_new, which may lie in another slice)
+    for t0 in range(0, t, tokens):
+        rows = slice(t0, min(t0 + tokens, t))
+        n = rows.stop - t0
+        index = (token_req[rows], positions[rows], start_pos, row_start, slots, floors, block_tables)
+        _logits_kernel[(n, triton.cdiv(h, lbh), plan["logit_programs"])](
+            q[rows], kv_new, ring_codes, ring_scale_bytes, ckv_codes, ckv_scale_arg, topk[rows], *index, dense_keys, logits, stats,
+            h, n_top, n_keys, n_tiles, plan["tiles_per_program"], float(softmax_scale), dense_rows,
+            q.stride(0), q.stride(1), kv_new.stride(0), topk.stride(0), block_tables.stride(0),
+            WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=lbh, BLOCK_N=cfg["LOGIT_BLOCK_N"], PIECE=piece, DENSE=dense, DENSE_STAGES=cfg["dense_stages"],
+            **formats, num_warps=cfg["logit_warps"], num_stages=cfg["logit_stages"],
+            **({"maxnreg": cfg["dense_logit_maxnreg"]} if dense and cfg["dense_logit_maxnreg"] else {}),
+        )
+        _pv_kernel[(n, triton.cdiv(h, bh) * plan["DSPLIT"])](
+            logits, stats, kv_new, ring_codes, ring_scale_bytes, ckv_codes, ckv_scale_arg, topk[rows], *index, sink, dense_keys, out[rows],
+            h, n_top, n_keys, dense_rows,
+            kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
+            WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=plan["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"], DENSE=dense, PIECE=piece,
+            **formats, num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"],
+        )
     return out
