@@ -3,16 +3,21 @@
 `compress_entries` takes, for every row of the step, the pooling inputs its group needs (this
 step's rows, or the request's tail slot for positions before the step), pools them with the
 softmax gate (ratio > 1), RMS-normalises the entry, and for the rows that complete a group
-writes the RoPE-rotated entry to the compressed KV cache in its format (V4.1: FP4). It returns the normalised
-pre-RoPE entries (the indexer keys are projected from them) with the cache location and the
-emit flag of every row (the indexer keys go to the same place). The caller stores the step's
-trailing incomplete groups to the tails afterwards (`kv.store_plain`): a tail slot can be read
-for one group and written for a later one in the same step, so the reads must all come first.
+writes the RoPE-rotated entry to the compressed KV cache in its format (V4.1: FP4; V4: bf16). It
+returns the normalised pre-RoPE entries (V4.1's indexer keys are projected from them) with the
+cache location and the emit flag of every row (the indexer keys go to the same place). The
+caller stores the step's trailing incomplete groups to the tails afterwards (`kv.store_plain`):
+a tail slot can be read for one group and written for a later one in the same step, so the
+reads must all come first.
+
+V4's compressors (`V4Pooling`) add the gate's position bias, pool in the activation dtype and,
+on CSA layers, overlap each window with the previous one; the overlap state that carries a
+window's first half to the next step is updated by `update_overlap_state` at the end of the op
+(after every read of it, before the caller's tail stores), on CPU and CUDA alike.
 
 On CUDA one Triton kernel (`dsv4.ops.triton.compressor`) replaces the ~40 small torch launches
 of this reference (gathers, the emit masks and index arithmetic, softmax, norm, RoPE, store)
-for V4.1 (FP4 cache, fp32 pooling). V4's compressors (position bias, overlapping CSA windows,
-pooling in the activation dtype, caches in it too: `V4Pooling`) are torch code only so far.
+for both models (bf16 activations).
 """
 
 from __future__ import annotations
@@ -44,43 +49,49 @@ def compress_entries(
     p // ratio when p % ratio == ratio - 1; it is cached (at its block table's location) unless
     its group starts before emit_from[req] (a prefix hit's cached groups). cos / sin [R, rd/2]:
     the angles of each row's entry position (p - p % ratio). `v4`: V4's position bias and
-    overlapping windows (`V4Pooling`; torch code only). -> (`dtype` [R, E] normalised entries
-    before RoPE (E = W, or W / 2 with overlap; a row that completes no group gets its partial
-    group's pooling: unused), the cache location (block id from the table, offset) int64 [R]
-    each, emit bool [R]: the row's entry was stored)."""
+    overlapping windows (`V4Pooling`; with overlap the op also updates its state,
+    `update_overlap_state`). -> (`dtype` [R, E] normalised entries before RoPE (E = W, or W / 2
+    with overlap), the cache location (block id from the table, offset) int64 [R] each, emit
+    bool [R]: the row's entry was stored). The entry of a row that completes no group is, for
+    V4.1, its partial group's pooling (unused); for V4 zeros: such rows skip the pooling (only
+    1 row in `ratio` completes a group, and V4's callers use the stored entries alone)."""
     _check(kv, gate, tail_kv, tail_gate, req, positions, cos, ckv, ratio, dtype, v4)
     if on_triton(kv) and dtype == torch.bfloat16:
-        if v4 is not None or not ckv.quantized:
-            raise NotImplementedError("compress_entries: no kernel for V4's compressors yet; V4 runs the reference path on CUDA")
         from dsv4.ops.triton import compressor as triton_compressor
 
-        return triton_compressor.compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, write, slots, emit_from,
-                                                  block_tables, norm_weight, eps, cos, sin, ckv, ratio, block_size, dtype)
-    r, n_rows = ratio, kv.shape[0]
+        out = triton_compressor.compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, write, slots, emit_from,
+                                                 block_tables, norm_weight, eps, cos, sin, ckv, ratio, block_size, dtype, v4=v4)
+    else:
+        out = _compress_entries_reference(kv, gate, tail_kv, tail_gate, req, positions, start, row0, write, slots, emit_from,
+                                          block_tables, norm_weight, eps, cos, sin, ckv, ratio, block_size, dtype, v4)
+    if v4 is not None and v4.overlap:  # after every read of the state (the pooling), before the caller's tail stores
+        update_overlap_state(v4, kv, gate, tail_kv, tail_gate, start, row0, write, slots, ratio)
+    return out
+
+
+def _compress_entries_reference(kv, gate, tail_kv, tail_gate, req, positions, start, row0, write, slots, emit_from, block_tables,
+                                norm_weight, eps, cos, sin, ckv, ratio, block_size, dtype, v4):
+    """The torch code of `compress_entries`, the overlap state's update aside."""
+    r = ratio
     req = req.long()
+    completes = positions % r == r - 1
     if r > 1:
-        first = start[req].unsqueeze(1)
-        slot = slots[req].long().unsqueeze(1).expand(-1, r)
-
-        def gathered(group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """kv, gate [R, r, W] of positions `group` [R, r]: this step's rows, or the tail slot before them."""
-            in_step = (group >= first).unsqueeze(-1)
-            src = (row0[req].long().unsqueeze(1) + group - first).clamp(0, n_rows - 1)
-            return (torch.where(in_step, kv[src], tail_kv[slot, group % r].to(kv.dtype)),
-                    torch.where(in_step, gate[src], tail_gate[slot, group % r].to(gate.dtype)))
-
+        first, slot = start[req], slots[req].long()
+        gathered = _gatherer(kv, gate, tail_kv, tail_gate, first, row0[req], slot)
         group = (positions - positions % r).unsqueeze(1) + torch.arange(r, device=kv.device)  # the group's r positions
         pooled_kv, pooled_gate = gathered(group)
         if v4 is not None:
             pooled_gate = pooled_gate + v4.ape  # torch's type promotion, as the reference
             if v4.overlap:
-                pooled_kv, pooled_gate = _overlap(v4, gathered, group, first, slot, req, positions, write, pooled_kv, pooled_gate, r)
+                pooled_kv, pooled_gate = _overlap(v4, gathered, group, first.unsqueeze(1), slot.unsqueeze(1), pooled_kv, pooled_gate)
         weights = pooled_gate.softmax(dim=1, dtype=torch.float32).to(pooled_kv.dtype)
         latent = (pooled_kv * weights).sum(dim=1).to(dtype)
+        if v4 is not None:  # the kernel's skipped rows: nothing pooled (normalised: zeros)
+            latent = latent.masked_fill(~completes.unsqueeze(1), 0)
     else:
         latent = kv
     latent = rms_norm(latent, norm_weight, eps, weight_in_fp32=v4 is not None)
-    emit = write & (positions - positions % r >= emit_from[req]) & (positions % r == r - 1)
+    emit = write & (positions - positions % r >= emit_from[req]) & completes
     entry = positions // r
     per_block = block_size // r
     block = (entry // per_block).clamp(max=block_tables.shape[1] - 1)  # a padding row's position may lie past the table
@@ -105,26 +116,68 @@ class V4Pooling:
     count: torch.Tensor | None = None
 
 
-def _overlap(v4: V4Pooling, gathered, group, first, slot, req, positions, write, pooled_kv, pooled_gate, r):
+def _gatherer(kv, gate, tail_kv, tail_gate, first: torch.Tensor, row0: torch.Tensor, slot: torch.Tensor):
+    """-> positions [N, r] -> (kv, gate) [N, r, W] of requests whose rows in the step start at
+    row row0 [N] with position first [N]: this step's rows, or the tail slot `slot` [N] before
+    them (N: per row for the pooling, per request for the overlap state's update)."""
+    n_rows, r = kv.shape[0], tail_kv.shape[1]
+    first, row0, slot = first.unsqueeze(1), row0.long().unsqueeze(1), slot.long().unsqueeze(1)
+
+    def gathered(group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        in_step = (group >= first).unsqueeze(-1)
+        src = (row0 + group - first).clamp(0, n_rows - 1)
+        tail = (slot.expand_as(group), group % r)
+        return (torch.where(in_step, kv[src], tail_kv[tail].to(kv.dtype)),
+                torch.where(in_step, gate[src], tail_gate[tail].to(gate.dtype)))
+
+    return gathered
+
+
+def _overlap(v4: V4Pooling, gathered, group, first, slot, pooled_kv, pooled_gate):
     """The 2r pooling slots of V4's overlapping windows (`V4Pooling`): the previous window's Ca
     from this step's rows, the tail, or (completed before the step) the overlap state, none
-    before window 0 (gate -inf); then the overlap state takes each request's last window
-    completed in the step (after every read of it)."""
-    half = pooled_kv.shape[-1] // 2
+    before window 0 (gate -inf)."""
+    half, r = pooled_kv.shape[-1] // 2, group.shape[1]
     prev = group - r
     p_kv, p_gate = gathered(prev)
     p_kv, p_gate = p_kv[..., :half], p_gate[..., :half] + v4.ape[:, :half]
     earlier = (prev < first - first % r).unsqueeze(-1)  # a window wholly before the step's first group
-    state = (slot, prev % r)
+    state = (slot.expand_as(prev), prev % r)
     p_kv = torch.where(earlier, v4.prev_kv[state].to(p_kv.dtype), p_kv)
     p_gate = torch.where(earlier, v4.prev_gate[state].to(p_gate.dtype), p_gate)
     none = (prev < 0).unsqueeze(-1)
     p_kv, p_gate = p_kv.masked_fill(none, 0), p_gate.masked_fill(none, float("-inf"))
-    end = first[:, 0] + v4.count[req]
-    last = write & (positions % r == r - 1) & (positions + r >= end)  # completes its request's last window of the step
-    v4.prev_kv[slot[last, 0]] = pooled_kv[last, :, :half].float()
-    v4.prev_gate[slot[last, 0]] = pooled_gate[last, :, :half].float()
     return torch.cat([p_kv, pooled_kv[..., half:]], dim=1), torch.cat([p_gate, pooled_gate[..., half:]], dim=1)
+
+
+def update_overlap_state(v4: V4Pooling, kv, gate, tail_kv, tail_gate, start: torch.Tensor, row0: torch.Tensor, write: torch.Tensor,
+                         slots: torch.Tensor, ratio: int) -> None:
+    """V4's overlap state after a step (`compress_entries`' arguments): each request whose
+    written rows complete a window takes the Ca half of the last one (its kv, and its gate plus
+    `ape`) from this step's rows or its tail slot; the others (no window completed, padding
+    rows) keep theirs. Runs after every read of the state (the pooling) and before the caller
+    stores the step's tails (read here). On CUDA one Triton launch (`triton.compressor.
+    overlap_state`, the same values); the torch code gathers fixed shapes ([B, ratio, W/2])
+    and stores with masks: no host synchronisation either way."""
+    if kv.shape[0] == 0:  # no row: no window completed
+        return
+    if on_triton(kv):
+        from dsv4.ops.triton import compressor as triton_compressor
+
+        triton_compressor.overlap_state(v4, kv, gate, tail_kv, tail_gate, start, row0, write, slots, ratio)
+        return
+    r, half = ratio, v4.prev_kv.shape[-1]
+    end = start + v4.count
+    last = end - end % r - 1  # the last position of the last window complete at the step's end
+    window = (last - r + 1).unsqueeze(1) + torch.arange(r, device=kv.device)
+    ca_kv, ca_gate = _gatherer(kv[:, :half], gate[:, :half], tail_kv[..., :half], tail_gate[..., :half], start, row0, slots)(window)
+    completed = (last >= start) & write[(row0 + last - start).clamp(0, kv.shape[0] - 1)]  # by a row of this step
+    n_req = slots.shape[0]
+    per_place = lambda t: t.unsqueeze(1).expand(n_req, r).reshape(n_req * r)  # a request's value for each place in its window
+    mask = per_place(completed)
+    where = (per_place(slots.long()), torch.arange(r, device=kv.device).repeat(n_req))
+    kvops.store_plain(v4.prev_kv, where, ca_kv.reshape(n_req * r, half), mask)
+    kvops.store_plain(v4.prev_gate, where, (ca_gate + v4.ape[:, :half]).reshape(n_req * r, half), mask)
 
 
 def _check(kv, gate, tail_kv, tail_gate, req, positions, cos, ckv, ratio, dtype, v4) -> None:
