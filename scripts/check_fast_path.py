@@ -70,6 +70,7 @@ TOLERANCE = {
     "fp8_act_fake_quant": 0.0, "fp8_act_quant": 0.0,  # --fp8-activations only (codes and exponents bit for bit)
     "route_scores": 1e-5,  # the same experts (else inf); weights to fp32 rounding of the logits (summed in another order than cuBLAS's)
     "compress_entries": 1e-2,  # the norm's sum of squares in another order (as rms_norm); cache bytes: their share
+    "overlap_state": 0.0,  # V4's overlap state: gathered values, bit for bit
     "linear_fp32": 1e-5,  # the compressor's fp32 projections: fp32 sums in another order
 }
 
@@ -149,27 +150,45 @@ class Checker:
     def wrap_compressor(self) -> None:
         """`compress_entries` returns entries and writes the compressed cache: the torch code
         runs on a copy of the cache taken before the kernel; the error is the entries' (a
-        differing emit flag or location is inf) or, if larger, the share of cache bytes that
-        differ."""
+        differing emit flag or location is inf; V4's rows that complete no group are zeros on
+        both) or, if larger, the share of cache bytes that differ. V4's overlap state update
+        (`overlap_state`, the op's second launch) is checked as a store: the same bytes."""
         kernel = t_compressor.compress_entries
 
-        def checked(*args):
-            ckv = args[16]
-            before = (ckv.codes.clone(), ckv.scales.clone())
-            out = kernel(*args)
-            after = (ckv.codes.clone(), ckv.scales.clone())
-            ckv.codes.copy_(before[0])
-            ckv.scales.copy_(before[1])
-            ref = _reference(compressor_ops.compress_entries, *args)
-            same = torch.equal(out[2], ref[2]) and torch.equal(out[1][1], ref[1][1]) and torch.equal(out[1][0][ref[2]], ref[1][0][ref[2]])
-            differing = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(after, (ckv.codes, ckv.scales)))
-            stored = max(1, int(ref[2].sum()) * (ckv.codes.shape[-1] + ckv.scales.shape[-1]))
+        def checked(*args, **kwargs):
+            target = next(a for a in args if isinstance(a, QTensor))
+            written = [target.codes, target.scales] if target.quantized else [target.values]
+            before = [t.clone() for t in written]
+            out = kernel(*args, **kwargs)
+            after = [t.clone() for t in written]
+            for t, b in zip(written, before):
+                t.copy_(b)
+            ref = _reference(compressor_ops._compress_entries_reference, *args, kwargs.get("v4"))
+            emit = ref[2]
+            same = torch.equal(out[2], emit) and torch.equal(out[1][1], ref[1][1]) and torch.equal(out[1][0][emit], ref[1][0][emit])
+            differing = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(after, written))
+            stored = max(1, int(emit.sum()) * sum(t.shape[-1] * t.element_size() for t in written))
             self.errors["compress_entries"].append(max(_rel(out[0], ref[0]), differing / stored) if same else float("inf"))
-            ckv.codes.copy_(after[0])
-            ckv.scales.copy_(after[1])
+            for t, a in zip(written, after):  # keep the kernel's result
+                t.copy_(a)
             return out
 
         t_compressor.compress_entries = checked
+        state_kernel = t_compressor.overlap_state
+
+        def checked_state(v4, *args):
+            before = (v4.prev_kv.clone(), v4.prev_gate.clone())
+            state_kernel(v4, *args)
+            after = (v4.prev_kv.clone(), v4.prev_gate.clone())
+            v4.prev_kv.copy_(before[0])
+            v4.prev_gate.copy_(before[1])
+            _reference(compressor_ops.update_overlap_state, v4, *args)
+            exact = torch.equal(after[0], v4.prev_kv) and torch.equal(after[1], v4.prev_gate)
+            self.errors["overlap_state"].append(0.0 if exact else float("inf"))
+            v4.prev_kv.copy_(after[0])
+            v4.prev_gate.copy_(after[1])
+
+        t_compressor.overlap_state = checked_state
 
 
 def install(checker: Checker) -> None:

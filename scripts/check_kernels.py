@@ -70,6 +70,8 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "attention_sweep": 0.15,
     "attention_prefill": 0.1,
     "indexer": 0.15,
+    "indexer_v4": 0.08,
+    "attention_v4": 0.08,
     "kv_store": 0.08,
     "rope": 0.03,
     "engram": 0.1,
@@ -1124,6 +1126,79 @@ def section_attention() -> None:
         guarded("sparse_attention", f"T={t}", attention_case, t)
 
 
+# V4-Flash's attention: bf16 ring and compressed KV. CSA layers attend a top-512 over a ratio-4
+# source (64 entries per 256-token block); HCA layers every visible entry of a ratio-128 source
+# (2 per block), in a table as wide as the block tables reach (the capacity under CUDA graphs).
+def attention_v4_args(t: int, kind: str, context: int, capacity: int, g: torch.Generator) -> dict:
+    """One call: decode (t requests of one token at `context`) or, t > 256, one request's
+    chunk of t tokens ending at `context`; block tables reach `capacity` tokens."""
+    h, dim, window = ATTN_SHAPE["h"], ATTN_SHAPE["dim"], ATTN_SHAPE["window"]
+    ratio = 4 if kind == "csa" else 128
+    per_block, blocks = 256 // ratio, capacity // 256
+    decode = t <= 256
+    reqs = t if decode else 1
+    ckv = torch.randn(reqs * blocks, per_block, dim, device="cuda", generator=g).bfloat16()
+    block_tables = torch.randperm(reqs * blocks, device="cuda", generator=g).view(reqs, blocks)
+    if decode:
+        positions = torch.full((t,), context - 1, device="cuda")
+        start_pos, token_req, row_start = positions.clone(), torch.arange(t, device="cuda"), torch.arange(t, device="cuda")
+    else:
+        positions = context - t + torch.arange(t, device="cuda")
+        start_pos, token_req = positions[:1].clone(), torch.zeros(t, dtype=torch.long, device="cuda")
+        row_start = torch.zeros(1, dtype=torch.long, device="cuda")
+    visible = (positions + 1) // ratio
+    if kind == "csa":
+        topk = torch.rand(t, int(visible.max()), device="cuda", generator=g).masked_fill(
+            torch.arange(int(visible.max()), device="cuda") >= visible.unsqueeze(1), 2.0).topk(512, dim=1, largest=False).indices.sort(dim=1).values
+        topk = torch.where(topk < visible.unsqueeze(1), topk, -1)
+    else:
+        cols = torch.arange(capacity // ratio, device="cuda")
+        topk = torch.where(cols < visible.unsqueeze(1), cols, -1)
+    return {
+        "q": torch.randn(t, h, dim, device="cuda", generator=g).bfloat16(),
+        "kv_new": torch.randn(t, dim, device="cuda", generator=g).bfloat16(),
+        "ring_codes": torch.randn(reqs, window, dim, device="cuda", generator=g).bfloat16(), "ring_scales": None,
+        "ckv_codes": ckv, "ckv_scales": None, "topk": topk, "token_req": token_req, "positions": positions,
+        "start_pos": start_pos, "row_start": row_start, "slots": torch.arange(reqs, device="cuda"),
+        "floors": torch.zeros(reqs, dtype=torch.long, device="cuda"), "block_tables": block_tables,
+        "sink": torch.randn(h, device="cuda", generator=g), "softmax_scale": dim**-0.5,
+    }
+
+
+def attention_v4_case(t: int, kind: str, context: int, capacity: int) -> None:
+    """The kernels against the reference (norm error), timed; bytes: q and out, the window keys
+    and the distinct selected entries once (bf16), the table."""
+    from dsv4.ops import attention as attention_ops
+    from dsv4.ops.triton import attention
+
+    args = attention_v4_args(t, kind, context, capacity, torch.Generator(device="cuda").manual_seed(t + context))
+    _, h, dim = args["q"].shape
+    topk = args["topk"]
+    selected = int((topk >= 0).sum()) if t <= 256 else int((topk[-1] >= 0).sum())
+    window = args["ring_codes"].shape[1]
+    keys = (t * window if t <= 256 else t + window) * dim * 2 + selected * dim * 2
+    nbytes = 2 * t * h * dim * 2 + keys + topk.numel() * 8
+    flops = 4 * h * dim * (t * window + int((topk >= 0).sum()))
+    case = f"v4 {kind} T={t} ctx={context} table={topk.shape[1]}"
+    ref = attention_ops.sparse_attention_reference(**args)
+    err = norm_err(attention.sparse_attention(**args), ref)
+    t_k = median_time(lambda: attention.sparse_attention(**args), reps=10)
+    record("sparse_attention", case, "triton", ok=err <= 4 * 2**-8, err=err, **perf(t_k, nbytes, flops, "bf16"))
+    if t == 8:  # a token alone has the bits it has in the batch
+        one = {k: (v[:1] if k in ("q", "kv_new", "topk", "token_req", "positions", "start_pos", "row_start", "slots", "floors", "block_tables")
+                   else v) for k, v in args.items()}
+        same = torch.equal(attention.sparse_attention(**one)[0], attention.sparse_attention(**args)[0])
+        record("attention_invariance", f"{case}: token 0 alone vs in batch", "triton", ok=same)
+
+
+def section_attention_v4() -> None:
+    for kind in ("csa", "hca"):
+        for t, context, capacity in ((1, 32768, 32768), (8, 32768, 32768), (64, 32768, 32768), (256, 8192, 8192), (4096, 32768, 32768)):
+            guarded("sparse_attention", f"v4 {kind} T={t}", attention_v4_case, t, kind, context, capacity)
+    for t in (1, 64):  # HCA under CUDA graphs: the table as wide as a 1M-token capacity, 8K of context
+        guarded("sparse_attention", f"v4 hca T={t} capacity 1M", attention_v4_case, t, "hca", 8192, 1 << 20)
+
+
 # attention_sweep candidates: overrides of attention.CONFIG, the default ({}) first.
 # LOGIT_BLOCK_H, TILES_PER_PROGRAM, DSPLIT and the warps / stages only spread or schedule the
 # work (same bits); LOGIT_BLOCK_N changes the statistics tiles (rounding), so it could only
@@ -1442,7 +1517,7 @@ IDX_SCORES_CONFIGS = [  # the default first
     {"BLOCK_N": 128, "num_warps": 4, "ROWS": 4, "PROGRAMS_PER_SM": 4},
     {"BLOCK_N": 128, "num_warps": 4, "ROWS": 2, "PROGRAMS_PER_SM": 8},
     {"BLOCK_N": 128, "num_warps": 4, "ROWS": 4, "PROGRAMS_PER_SM": 16},
-    {"BLOCK_N": 64, "num_warps": 4, "ROWS": 8, "PROGRAMS_PER_SM": 8},
+    {"BLOCK_N": 64, "num_warps": 4, "ROWS": 8, "MAX_STACKED_N": 256, "PROGRAMS_PER_SM": 8},
     {"BLOCK_N": 64, "num_warps": 4, "ROWS": 4, "PROGRAMS_PER_SM": 8},
 ]
 IDX_TOPK_CONFIGS = [  # the default first
@@ -1596,6 +1671,56 @@ def section_indexer() -> None:
         row_req = torch.arange(t, device="cuda") if n_req > 1 else torch.zeros(t, device="cuda")
         args = wide.args(n_req, n, row_req, torch.full((t,), n, device="cuda"), n)
         guarded("index_scores", label, indexer_scores_case, f"scale bytes 20..230 {label}", args, n_req * n * IDX_KEY_BYTES)
+
+
+# V4-Flash's indexer: 64 heads x 128, bf16 keys (no scales), ratio 4 (64 entries per 256-token
+# block). Decode: T requests of one row at 8K / 32K / 128K tokens; prefill: one request's
+# 4096-row chunk at positions 28672..32767 (lengths 7168..8192).
+IDX_V4_HEADS, IDX_V4_PER_BLOCK = 64, 64
+
+
+def indexer_v4_args(g: torch.Generator, n_req: int, entries: int, row_req: torch.Tensor, lengths: torch.Tensor, width: int) -> list:
+    """index_scores arguments over bf16 keys: n_req requests of `entries` keys each in their
+    own blocks, bf16 queries and per-head weights for each row."""
+    per_req = -(-entries // IDX_V4_PER_BLOCK)
+    keys = torch.randn(n_req * per_req, IDX_V4_PER_BLOCK, IDX_DIM, device="cuda", generator=g).bfloat16()
+    blocks = torch.randperm(keys.shape[0], device="cuda", generator=g).view(n_req, per_req).int()
+    t = row_req.numel()
+    q = torch.randn(t, IDX_V4_HEADS, IDX_DIM, device="cuda", generator=g).bfloat16()
+    weights = torch.randn(t, IDX_V4_HEADS, device="cuda", generator=g) * IDX_V4_HEADS**-0.5
+    return [q, weights, keys, None, blocks, row_req.int(), lengths.int(), IDX_V4_PER_BLOCK, width, None]
+
+
+def section_indexer_v4() -> None:
+    from dsv4.ops.triton import indexer
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    key_bytes = IDX_DIM * 2
+    for tokens in (8192, 32768, 131072):
+        n = tokens // 4
+        for t in (1, 8, 64):
+            arange = torch.arange(t, device="cuda")
+            args = indexer_v4_args(g, t, n, arange, torch.full((t,), n, device="cuda"), n)
+            label = f"v4 decode T={t} len={n}"
+            scores, _ = indexer_scores_case(label, args, t * n * key_bytes)
+            guarded("topk_ascending", label, indexer_select_case, label, scores, args[6], 512)
+            if t == 64 and tokens == 32768:  # a row alone has the bits it has in the batch
+                one = [a[:1] if i in (0, 1, 5, 6) else a for i, a in enumerate(args)]
+                same = torch.equal(indexer.index_scores(*one)[0], scores[0])
+                record("indexer_invariance", f"index_scores {label}: row 0 alone vs in batch", "triton", ok=same)
+    visible = (28672 + torch.arange(4096, device="cuda") + 1) // 4
+    args = indexer_v4_args(g, 1, 8192, torch.zeros(4096, device="cuda"), visible, 8192)
+    label = "v4 prefill T=4096 len<=8K"
+    scores, ref = indexer_scores_case(label, args, 8192 * key_bytes)
+    indexer_select_case(label, scores, args[6], 512)
+    m = int(args[6][0])
+    one = [a[:1] if i in (0, 1, 5, 6) else a for i, a in enumerate(args)]
+    record("indexer_invariance", f"index_scores {label}: row 0 alone vs in batch", "triton",
+           ok=torch.equal(indexer.index_scores(*one)[0, :m], scores[0, :m]))
+    for cfg in ({"ROWS": 4, "MAX_STACKED_N": 256}, {"ROWS": 1}):
+        check = lambda y: (lambda e: (e <= 1e-5, e))(scores_err(y, ref, args[6]))
+        guarded("indexer_config", f"{label} {cfg}", indexer_config_case, f"scores {label}", "SCORES_CONFIG", cfg,
+                lambda: indexer.index_scores(*args), check, *scores_cost(args, 8192 * key_bytes))
 
 
 # ------------------------------------------------------------------------------ kv store
@@ -2368,6 +2493,9 @@ def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+V41_FORMATS = {"RING_RAW": False, "CKV_RAW": False, "SKIP_EMPTY": False}  # the attention kernels' V4.1 cache formats, full top-k tiles
+
+
 def attention_compile_targets() -> list[tuple]:
     """Both sparse-attention kernels at V4.1's shapes (64 heads x 512, window 128, top-k 512,
     ratio-2 blocks): the default configuration with every PV channel split the "auto" policy
@@ -2394,7 +2522,7 @@ def attention_compile_targets() -> list[tuple]:
     for cfg in attention_logit_variants():
         c = {**attention.CONFIG, **cfg}
         for dense, stages in [(False, c["dense_stages"])] + ([(True, c["dense_stages"])] if default(c, ATTN_LOGIT_KEYS) else []):
-            consts = dict(shape, BLOCK_H=c["LOGIT_BLOCK_H"], BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"], DENSE=dense, DENSE_STAGES=stages)
+            consts = dict(shape, BLOCK_H=c["LOGIT_BLOCK_H"], BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"], DENSE=dense, DENSE_STAGES=stages, **V41_FORMATS)
             label = (f"attention logits BH={c['LOGIT_BLOCK_H']} BN={c['LOGIT_BLOCK_N']} piece={c['PIECE']} w={c['logit_warps']} s={c['logit_stages']}"
                      + (f" dense s={stages} maxnreg={c['dense_logit_maxnreg']}" if dense else ""))
             options = {"num_warps": c["logit_warps"], "num_stages": c["logit_stages"]}
@@ -2405,9 +2533,27 @@ def attention_compile_targets() -> list[tuple]:
         c = {**attention.CONFIG, **cfg}
         n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-ATTN_SHAPE["top"] // c["LOGIT_BLOCK_N"])
         for dense in (False, True) if default(c, ATTN_PV_KEYS) else (False,):
-            consts = dict(shape, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"], DENSE=dense, PIECE=c["PIECE"])
+            consts = dict(shape, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"], DENSE=dense, PIECE=c["PIECE"], **V41_FORMATS)
             label = f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']} tiles={n_tiles}{' dense' if dense else ''}"
             out.append((label, attention._pv_kernel, pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
+    # V4-Flash: bf16 ring and compressed KV (the wrapper passes the values in the scale slots),
+    # never the dense copy; CSA (top-512, ratio 4: 64 entries a block) and HCA (every visible
+    # entry, ratio 128: 2 a block; 8192 of them at a 1M-token capacity, empty tiles skipped)
+    raw = {n: "*bf16:16" for n in ("ring_ptr", "ring_scale_ptr", "ckv_ptr", "ckv_scale_ptr")}
+    c = attention.CONFIG
+    for per_block, top in ((64, 512), (2, 8192)):
+        formats = dict(RING_RAW=True, CKV_RAW=True, SKIP_EMPTY=top > attention.SKIP_EMPTY_MIN_ENTRIES)
+        for bh in attention.LOGIT_BLOCK_HS:
+            consts = dict(shape, PER_BLOCK=per_block, BLOCK_H=bh, BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"], DENSE=False,
+                          DENSE_STAGES=c["dense_stages"], **formats)
+            out.append((f"attention logits v4 BH={bh} per_block={per_block} top={top}", attention._logits_kernel, dict(logits, **raw), consts,
+                        {"num_warps": c["logit_warps"], "num_stages": c["logit_stages"]}, "wgmma"))
+        n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-top // c["LOGIT_BLOCK_N"])
+        for dsplit in (*attention.AUTO_DSPLITS, attention.WIDE_DSPLIT):  # the splits "auto" picks
+            consts = dict(shape, PER_BLOCK=per_block, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=attention.pv_block_n(dsplit, c),
+                          DSPLIT=dsplit, DENSE=False, PIECE=c["PIECE"], **formats)
+            out.append((f"attention pv v4 DSPLIT={dsplit} per_block={per_block} tiles={n_tiles}", attention._pv_kernel, dict(pv, **raw), consts,
+                        {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
     copy = {"ckv_ptr": "*u8:16", "ckv_scale_ptr": "*fp8e4nv:16", "block_table_ptr": "*i64:16", "dense_ptr": "*bf16:16", "n_blocks": "i32", "entries": a, "stride_bt": a}
     out.append(("attention dense copy", attention._dense_ckv_kernel, copy,
                 {"PER_BLOCK": ATTN_SHAPE["per_block"], "DIM": ATTN_SHAPE["dim"], "PIECE": attention.CONFIG["PIECE"], "ROWS": attention.DENSE_ROWS}, {"num_warps": 4}))
@@ -2438,13 +2584,29 @@ def kv_store_compile_targets() -> list[tuple]:
 
     comp = {n: "*i64" for n in ("pos_ptr", "start_ptr", "slot_ptr", "emit_from_ptr", "block_out_ptr", "offset_out_ptr")}
     comp.update(kv_ptr="*fp32", gate_ptr="*fp32", tail_kv_ptr="*fp32", tail_gate_ptr="*fp32", req_ptr="*i32", row0_ptr="*i32", write_ptr="*u8",
-                block_table_ptr="*i32", norm_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", codes_ptr="*u8", scales_ptr="*fp8e4nv", out_ptr="*bf16",
-                emit_out_ptr="*i8", eps="fp32", **{n: i for n in ("R", "n_cols", "S", "stride_kv", "stride_tail_s", "stride_tail_j", "stride_bt",
-                                                                 "stride_cos", "stride_c0", "stride_c1", "stride_s0", "stride_s1")})
-    for ratio in (2, 1):
-        types = comp if ratio > 1 else dict(comp, kv_ptr="*bf16", gate_ptr="*bf16", tail_kv_ptr="*bf16", tail_gate_ptr="*bf16")
-        consts = {"RATIO": ratio, "W": 512, "ROPE_PAIRS": 32, "PER_BLOCK": 256 // ratio, "BLOCK_T": compressor.BLOCK_T}
-        out.append((f"compressor ratio {ratio}", compressor._compress_kernel, types, consts, {"num_warps": 4, "enable_fp_fusion": False}))
+                block_table_ptr="*i32", norm_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", cache_ptr="*u8", scales_ptr="*fp8e4nv", out_ptr="*bf16",
+                emit_out_ptr="*i8", eps="fp32", ape_ptr="*bf16", prev_kv_ptr="*fp32", prev_gate_ptr="*fp32",
+                **{n: i for n in ("R", "n_cols", "S", "stride_kv", "stride_tail_s", "stride_tail_j", "stride_bt", "stride_cos", "stride_c0",
+                                  "stride_c1", "stride_s0", "stride_s1", "stride_prev_s", "stride_prev_j", "stride_ape")})
+    options = {"enable_fp_fusion": False}
+    for ratio in (2, 1):  # V4.1 (FP4 cache); its ape / overlap-state pointers are the launch's unread stand-ins
+        bf16 = {n: "*bf16" for n in ("kv_ptr", "gate_ptr", "tail_kv_ptr", "tail_gate_ptr", "prev_kv_ptr", "prev_gate_ptr")}
+        types = comp if ratio > 1 else dict(comp, **bf16)
+        consts = {"RATIO": ratio, "W": 512, "ROPE_PAIRS": 32, "PER_BLOCK": 256 // ratio, "BLOCK_T": compressor.BLOCK_T,
+                  "SLOTS_PER_ITER": compressor.slots_per_iteration(ratio), "V4": False, "OVERLAP": False, "FP4": True}
+        out.append((f"compressor ratio {ratio}", compressor._compress_kernel, types, consts, dict(options, num_warps=compressor.NUM_WARPS)))
+    v4 = dict(comp, kv_ptr="*bf16", gate_ptr="*bf16", ape_ptr="*fp32", cache_ptr="*bf16", scales_ptr="*bf16")
+    for label, ratio, width, overlap in (("CSA", 4, 512, True), ("CSA indexer keys", 4, 128, True), ("HCA", 128, 512, False)):
+        consts = {"RATIO": ratio, "W": width, "ROPE_PAIRS": 32, "PER_BLOCK": 256 // ratio, "BLOCK_T": compressor.V4_BLOCK_T,
+                  "SLOTS_PER_ITER": compressor.slots_per_iteration(2 * ratio if overlap else ratio), "V4": True, "OVERLAP": overlap, "FP4": False}
+        out.append((f"compressor V4 {label} ratio {ratio} W={width}", compressor._compress_kernel, v4, consts, dict(options, num_warps=compressor.V4_NUM_WARPS)))
+    state = {n: "*i64" for n in ("start_ptr", "count_ptr", "slot_ptr")}
+    state.update(kv_ptr="*bf16", gate_ptr="*bf16", tail_kv_ptr="*fp32", tail_gate_ptr="*fp32", ape_ptr="*fp32", row0_ptr="*i32", write_ptr="*u8",
+                 prev_kv_ptr="*fp32", prev_gate_ptr="*fp32", **{n: i for n in ("R", "stride_kv", "stride_tail_s", "stride_tail_j", "stride_prev_s",
+                                                                               "stride_prev_j", "stride_ape")})
+    for half in (512, 128):  # V4 CSA's compressed KV and indexer keys
+        out.append((f"compressor V4 overlap state half={half}", compressor._overlap_state_kernel, state, {"RATIO": 4, "BLOCK_C": min(half, 256)},
+                    {"num_warps": 4}))
     return out
 
 
@@ -2508,15 +2670,17 @@ def indexer_compile_targets() -> list[tuple]:
     for per_block in (128, 256):
         for entries, rows in ((False, 1), (False, cfg["ROWS"]), (True, 1)):
             consts = {"ROWS": rows, "PER_BLOCK": per_block, "DK": 128, "BLOCK_H": 32, "BLOCK_N": cfg["BLOCK_N"],
-                      "HAS_ENTRIES": entries, "CONTIGUOUS": not entries, "PTX": True, "FRAGMENT": True, "WARPS": cfg["num_warps"],
-                      "INTERPRETED": False}
+                      "HAS_ENTRIES": entries, "CONTIGUOUS": not entries, "RAW_KEYS": False, "PTX": True, "FRAGMENT": True,
+                      "WARPS": cfg["num_warps"], "INTERPRETED": False}
             label = f"index_scores per_block={per_block} entries={entries} rows={rows}"
             out.append((label, indexer._index_scores_kernel, scores, consts, {"num_warps": cfg["num_warps"]}))
-    # V4-Flash: 64 heads (4 rows stack to N = 256), ratio 4 (64 entries per block: gathered keys)
-    for rows in (1, cfg["ROWS"]):
+    # V4-Flash: bf16 keys, 64 heads (2 rows stack to N = 128), ratio 4 (64 entries per block: gathered keys)
+    raw = dict(scores, codes_ptr="*bf16:16", scales_ptr="*bf16:16")
+    for rows in (1, indexer.scores_rows(cfg["ROWS_MIN_T"], 64, False)):
         consts = {"ROWS": rows, "PER_BLOCK": 64, "DK": 128, "BLOCK_H": 64, "BLOCK_N": cfg["BLOCK_N"], "HAS_ENTRIES": False,
-                  "CONTIGUOUS": 64 % cfg["BLOCK_N"] == 0, "PTX": True, "FRAGMENT": True, "WARPS": cfg["num_warps"], "INTERPRETED": False}
-        out.append((f"index_scores v4 heads=64 rows={rows}", indexer._index_scores_kernel, scores, consts, {"num_warps": cfg["num_warps"]}))
+                  "CONTIGUOUS": False, "RAW_KEYS": True, "PTX": True, "FRAGMENT": False, "WARPS": cfg["num_warps"], "INTERPRETED": False}
+        out.append((f"index_scores v4 bf16 heads=64 per_block=64 rows={rows}", indexer._index_scores_kernel, raw, consts,
+                    {"num_warps": cfg["num_warps"]}))
     block_max = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "out_ptr": "*fp32", "width": i, "stride_st": i, "stride_ot": i}
     bcfg = indexer.BLOCK_MAX_CONFIG
     out.append(("block_max block=8", indexer._block_max_kernel, block_max, {"BLOCK": 8, "TILE_BLOCKS": bcfg["TILE_BLOCKS"]}, {"num_warps": bcfg["num_warps"]}))

@@ -4,7 +4,8 @@
 # forward benchmark. Prepare here first (bash scripts/prepare_device.sh), then
 #   run(command="bash scripts/device_run.sh", carry=["devdata", ".device_wheels"])
 # Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline; also insitu8 and bench8: the
-# same with FP8 activations, insitu4: with FP4 experts, ab, ncu, profile), KERNEL_SECTIONS,
+# same with FP8 activations, insitu4: with FP4 experts, insitu_v4, golden_v4 and bench_v4: V4-Flash, ab, ncu,
+# profile), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
 # knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS='... ...'" (a variant is eval'd: quote a value with spaces), or bench flags: AB_ENV="AB_FLAGS=--fp4-experts"), KNOBS (module globals or dict entries the bench runs under, Python literals:
@@ -18,6 +19,7 @@ pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 STEPS=${STEPS:-kernels,insitu,golden,bench,exact,baseline}
 LOG=$OUT/log.txt
+mkdir -p devdata/golden && tar xzf devdata/golden.tgz -C devdata/golden  # (scripts/prepare_device.sh)
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; git log -1 --format=%H 2>/dev/null; git status --short 2>/dev/null | head -30; } | tee "$OUT/gpu.txt"
 
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -72,15 +74,30 @@ if want insitu4; then  # the same with the experts kept FP4 (--fp4-experts)
   echo "=== insitu4" | tee -a "$LOG"
   timeout 150 python scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 --fp4-experts 2>&1 | tee -a "$LOG" | tail -20
 fi
+if want insitu_v4; then  # V4-Flash's fast path (bf16 caches, HCA, overlapping compressors)
+  echo "=== insitu_v4" | tee -a "$LOG"
+  timeout 150 python scripts/check_fast_path.py devdata/golden/v4-tiny-a --prompts 1,3,4 --steps 4 2>&1 | tee -a "$LOG" | tail -20
+fi
 if want golden; then
   echo "=== golden" | tee -a "$LOG"
   timeout 240 python scripts/gpu_golden.py devdata/golden/v41-tiny-a 2>&1 | grep -v Warning | tee -a "$LOG" | tail -8
+fi
+if want golden_v4; then
+  echo "=== golden_v4" | tee -a "$LOG"
+  timeout 240 python scripts/gpu_golden.py devdata/golden/v4-tiny-a 2>&1 | grep -v Warning | tee -a "$LOG" | tail -8
 fi
 if want bench; then
   echo "=== bench" | tee -a "$LOG"
   CASES=${BENCH_CASES:-"d1_8k=1*1@8192 d8_32k=8*1@32768 d64_32k=64*1@32768 d256_8k=256*1@8192 d64_128k=64*1@131072 p8k=8192 hit=1024@100000"}
   bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward.json" ${BENCH_FLAGS:---no-baseline} $CASES 2>&1 \
+    | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -45
+fi
+if want bench_v4; then  # V4-Flash's real layer dimensions (8 of 43 layers: the 2 window layers, CSA/HCA pairs)
+  echo "=== bench_v4" | tee -a "$LOG"
+  CASES=${BENCH_V4_CASES:-"d1_8k=1*1@8192 d8_32k=8*1@32768 d64_32k=64*1@32768 d256_8k=256*1@8192 p8k=8192 hit=1024@100000"}
+  bench "${BENCH_TIMEOUT:-300}" --config v4 --num-layers 8 --num-experts 64 --device cuda \
+    --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward_v4.json" ${BENCH_V4_FLAGS:---no-baseline} $CASES 2>&1 \
     | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -45
 fi
 if want bench8; then  # the bench cases with FP8 activations

@@ -47,17 +47,12 @@ class Block:
         return hc_collapse_norm(streams, pre, weight, self.cfg.rms_norm_eps, weight_in_fp32=not self.v41)
 
 
-def fast_path_unsupported(cfg: ModelConfig, device: torch.device | str = "cuda") -> str | None:
+def fast_path_unsupported(cfg: ModelConfig) -> str | None:
     """Why the fast path (device metadata, Triton kernels, CUDA graphs) cannot run this
-    config on `device`, or None. On CUDA it serves V4.1's quantised caches; V4's bf16 caches,
-    HCA layers and overlapping compressors have their fast-path ops as torch code only so far
-    (the CPU runs of the fast path, which the tests compare with golden), so V4 runs the
-    reference path on CUDA."""
-    if cfg.arch != "v41":
-        if torch.device(device).type == "cuda":
-            return "V4 runs the reference path on CUDA (its bf16 caches and HCA layers have no fast kernels yet)"
-        return None
-    if not (window_is_fp8(cfg) and ckv_is_fp4(cfg) and idx_is_fp4(cfg)):
+    config, or None. Its kernels read V4.1's quantised caches (FP8 ring, FP4 compressed KV and
+    indexer keys) and V4's unquantised ones; a V4.1 config whose widths do not give the
+    quantised formats runs the reference path."""
+    if cfg.arch == "v41" and not (window_is_fp8(cfg) and ckv_is_fp4(cfg) and idx_is_fp4(cfg)):
         return f"head_dim {cfg.head_dim} / index_head_dim {cfg.index_head_dim} do not give the FP8 / FP4 caches (multiples of 32)"
     if cfg.head_dim & (cfg.head_dim - 1):
         return f"head_dim {cfg.head_dim} is not a power of two (the attention kernel's tile)"
@@ -160,7 +155,7 @@ class Model:
         if cfg.fp8_activations and not self.v41:
             raise ValueError("fp8_activations: supported for V4.1 only (its GEMM inputs are quantised per 32 columns; V4's "
                              "reference blocks are not specified here)")
-        why = fast_path_unsupported(cfg, self.device)
+        why = fast_path_unsupported(cfg)
         if fast_path is None:
             fast_path = why is None and self.device.type == "cuda" and dtype == torch.bfloat16
         elif fast_path and why is not None:

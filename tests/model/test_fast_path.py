@@ -26,8 +26,8 @@ ENGINE = dict(block_size=16, kv_cache_memory=64 << 20, max_num_seqs=8, max_model
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def golden_llm(folder: Path, fast: bool, **options) -> LLM:
-    """The golden set `folder`'s model on the fast path or the reference path (skips without it)."""
+def golden_llm(folder: Path, fast: bool | None, **options) -> LLM:
+    """The golden set `folder`'s model on the fast path, the reference path or (None) the default (skips without it)."""
     if not folder.is_dir():
         pytest.skip(f"golden set {folder} not found (set DSV4_SHARED)")
     return LLM(folder, fast_path=fast, **dict(ENGINE, **options))

@@ -1,9 +1,9 @@
 """V4-Flash on the fast path (device metadata and fixed shapes, dsv4.model.step) against the
-golden reference and the reference path. V4's fast-path ops for its unquantised caches, HCA
-layers (every visible entry) and overlapping, position-biased compressors are torch code, so
-the fast path serves V4 on CPU only (on CUDA it runs the reference path until their kernels
-exist: `fast_path_unsupported`); this checks that logic: the overlap state and tails across
-steps, chunk edges and prefix hits, the HCA selections, padded decode buckets."""
+golden reference and the reference path. On CPU the fast path runs its ops' torch code (tests/ops
+checks the kernels against it), so this checks V4's fast-path logic: its unquantised caches,
+the HCA selections (every visible entry), the overlapping, position-biased compressors and
+their overlap state and tails across steps, chunk edges and prefix hits, padded decode
+buckets."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.model.test_fast_path import GREEDY, SHARED, _decode_batch, _prefill, 
 FOLDER = SHARED / "golden" / "v4-tiny-a"
 
 
-def _llm(fast: bool, **options) -> LLM:
+def _llm(fast: bool | None, **options) -> LLM:
     return golden_llm(FOLDER, fast, **options)
 
 
@@ -101,10 +101,11 @@ def test_padded_bucket_equals_the_unpadded_step(fast, ref):
     assert torch.equal(padded.argmax(-1), plain.argmax(-1))
 
 
-def test_cuda_runs_v4_on_the_reference_path(fast):
-    cfg = fast.engine.model.cfg
-    assert fast_path_unsupported(cfg, "cpu") is None
-    assert "V4 runs the reference path on CUDA" in fast_path_unsupported(cfg, "cuda")
+def test_v4_takes_the_fast_path_by_default_where_it_can():
+    """V4's config is one the fast path serves; the default picks it on CUDA in bf16 only."""
+    llm = _llm(None)
+    assert fast_path_unsupported(llm.engine.model.cfg) is None
+    assert llm.engine.model.fast == (llm.engine.model.device.type == "cuda" and llm.engine.model.dtype == torch.bfloat16)
 
 
 def test_v4_pooling_arguments_are_checked():

@@ -10,9 +10,9 @@ Two implementations of the same layer share the weights:
 * the fast path (`forward_fast`, `compress_fast`, `select_fast`): the ops of dsv4.ops
   (Triton kernels on CUDA, their torch references elsewhere) on the device metadata of
   dsv4.model.step, with no host synchronisation and fixed shapes, so that CUDA graphs can
-  capture it. Kernels for V4.1's quantised caches (FP8 ring, FP4 compressed KV and indexer
-  keys); V4's unquantised caches, HCA layers and overlapping compressors run the ops' torch
-  code (CPU only so far: `model.fast_path_unsupported`).
+  capture it. The kernels read V4.1's quantised caches (FP8 ring, FP4 compressed KV and
+  indexer keys) and V4's unquantised (bf16) ones; V4's HCA layers attend every visible entry,
+  its compressors add the position bias and (CSA) overlap their windows.
 """
 
 from __future__ import annotations
