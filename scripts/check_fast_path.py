@@ -213,7 +213,7 @@ def install(checker: Checker) -> None:
     c.wrap_inplace(t_rowwise, "apply_rope_", rope.apply_rope_)
     c.wrap(t_mhc, "hc_mixes", mhc.hc_mixes, lambda o, r, *a: max(_rel(x, y) for x, y in zip(o, r)))
     c.wrap(t_mhc, "hc_collapse_norm", mhc.hc_collapse_norm)
-    c.wrap(t_mhc, "hc_expand", lambda y, res, post, comb: mhc.hc_expand(y, res, post, comb, fp32=True))
+    c.wrap(t_mhc, "hc_expand", lambda y, res, post, comb, fp32: mhc.hc_expand(y, res, post, comb, fp32))
     c.wrap(t_kv, "round_trip", lambda kind, x: kv.round_trip(QTensor(codes=x), x, kind))
     c.wrap_store("store_rows", kv.store_rows)
     c.wrap_store("store_plain", kv.store_plain)

@@ -2161,10 +2161,10 @@ def mhc_case(t: int) -> None:
 
     exp_args = (a["y"], x, a["post"], a["comb"])
     ref = mhc.hc_expand_reference(*exp_args, fp32=True)
-    y = triton_mhc.hc_expand(*exp_args)
+    y = triton_mhc.hc_expand(*exp_args, True)
     err = rel_err(y, ref, floor=1e-3)
     nbytes = row_bytes + 2 * stream_bytes + t * MHC_HC * (MHC_HC + 1) * 4
-    t_k = median_time(lambda: triton_mhc.hc_expand(*exp_args))
+    t_k = median_time(lambda: triton_mhc.hc_expand(*exp_args, True))
     record("mhc_expand", f"T={t}", "triton", ok=err <= ulp, err=err, exact_frac=(y == ref).float().mean().item(), **perf(t_k, nbytes, 0, "bf16"))
     record("mhc_expand", f"T={t}", "torch", **perf(median_time(lambda: mhc.hc_expand_reference(*exp_args, fp32=True)), nbytes, 0, "bf16"))
 
@@ -2177,13 +2177,13 @@ def mhc_invariance() -> None:
     a = mhc_data(8192, seed=1)
     whole = triton_mhc.hc_mixes(*mhc_mixes_args(a))
     cn = triton_mhc.hc_collapse_norm(a["x"], a["pre"], a["weight"], MHC_EPS, False)
-    ex = triton_mhc.hc_expand(a["y"], a["x"], a["post"], a["comb"])
+    ex = triton_mhc.hc_expand(a["y"], a["x"], a["post"], a["comb"], True)
     same = True
     for m in (1, 8, 256, 4096):
         part = {k: v[:m] if k in ("x", "pre", "post", "comb", "y") else v for k, v in a.items()}
         same &= all(torch.equal(p[:1], q[:1]) for p, q in zip(triton_mhc.hc_mixes(*mhc_mixes_args(part)), whole))
         same &= torch.equal(triton_mhc.hc_collapse_norm(part["x"], part["pre"], a["weight"], MHC_EPS, False)[:1], cn[:1])
-        same &= torch.equal(triton_mhc.hc_expand(part["y"], part["x"], part["post"], part["comb"])[:1], ex[:1])
+        same &= torch.equal(triton_mhc.hc_expand(part["y"], part["x"], part["post"], part["comb"], True)[:1], ex[:1])
     record("invariance", "mhc mixes / collapse_norm / expand: row 0 of T=1..4096 vs T=8192", "triton", ok=bool(same))
 
 
@@ -2650,7 +2650,9 @@ def mhc_compile_targets() -> list[tuple]:
         consts = {"HC": 4, "NORM": norm, "WEIGHT_IN_FP32": fp32_w, "BLOCK_D": 8192 if d > 4096 else 4096}
         out.append((f"mhc collapse norm={norm} fp32_weight={fp32_w} D={d}", mhc._collapse_kernel, types, consts, {"num_warps": 8, "enable_fp_fusion": False}))
     expand = {"y_ptr": "*bf16", "res_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16", "D": i, "stride_yt": i, "stride_rt": i, "stride_rh": i}
-    out.append(("mhc expand", mhc._expand_kernel, expand, {"HC": 4, "BLOCK_D": mhc.EXPAND_BLOCK_D}, {"num_warps": 4, "enable_fp_fusion": False}))
+    for fp32 in (True, False):  # V4.1's rounding, V4's
+        out.append((f"mhc expand fp32={fp32}", mhc._expand_kernel, expand, {"HC": 4, "BLOCK_D": mhc.EXPAND_BLOCK_D, "FP32": fp32},
+                    {"num_warps": 4, "enable_fp_fusion": False}))
     return out
 
 

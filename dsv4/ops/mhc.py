@@ -111,10 +111,10 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     _check_streams("hc_expand", residual, post=post, comb=comb)
     if tuple(y.shape) != (residual.shape[0], residual.shape[2]):
         raise ValueError(f"hc_expand: y must be [{residual.shape[0]}, {residual.shape[2]}] for streams {list(residual.shape)}, got {list(y.shape)}")
-    if fp32 and _fused(residual):
+    if _fused(residual):
         from dsv4.ops.triton import mhc as triton_mhc
 
-        return triton_mhc.hc_expand(y, residual, post.float(), comb.float())
+        return triton_mhc.hc_expand(y, residual, post.float(), comb.float(), fp32)
     return hc_expand_reference(y, residual, post, comb, fp32)
 
 

@@ -391,21 +391,27 @@ def test_hc_collapse_and_norm(d):
         assert torch.equal(tmhc.hc_collapse_norm(xd[7:8], pd[7:8], w.to(DEVICE), 1e-6, weight_in_fp32)[0], got[7])
 
 
-def test_hc_expand(monkeypatch):
-    """fp32 expand against the reference; several column tiles (a partial one); batch
-    invariant."""
+@pytest.mark.parametrize("fp32", [True, False], ids=["v41", "v4"])
+def test_hc_expand(monkeypatch, fp32):
+    """The expand against the reference, in V4.1's fp32 and V4's activation-dtype roundings
+    (the latter bit for bit: exact products, four-term fp32 sums); several column tiles (a
+    partial one); batch invariant."""
     monkeypatch.setattr(tmhc, "EXPAND_BLOCK_D", 32)
     g = _gen(12)
     t, hc, d = 25, 4, 72
     residual = (torch.randn(t, hc, d, generator=g) * 2).bfloat16()
     y = torch.randn(t, d, generator=g).bfloat16()
     _, post, comb = _mixes_for(residual, 12)
-    ref = mhc.hc_expand(y, residual, post, comb, fp32=True)
+    ref = mhc.hc_expand_reference(y, residual, post, comb, fp32)
     dev = [a.to(DEVICE) for a in (y, residual, post, comb)]
-    got = tmhc.hc_expand(*dev)
+    got = tmhc.hc_expand(*dev, fp32)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
-    assert ((got.float().cpu() - ref.float()).abs() <= 2 * BF16_REL * ref.float().abs() + 1e-6).all()
-    alone = tmhc.hc_expand(*(a[3:4] for a in dev))
+    if fp32:
+        assert ((got.float().cpu() - ref.float()).abs() <= 2 * BF16_REL * ref.float().abs() + 1e-6).all()
+    else:
+        assert torch.equal(got.cpu(), ref)
+        assert not torch.equal(got.cpu(), mhc.hc_expand_reference(y, residual, post, comb, True))  # the two roundings differ
+    alone = tmhc.hc_expand(*(a[3:4] for a in dev), fp32)
     assert torch.equal(alone[0], got[3])
 
 

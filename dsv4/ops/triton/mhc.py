@@ -334,25 +334,37 @@ def hc_collapse_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, e
 def _expand_kernel(
     y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
     D, stride_yt, stride_rt, stride_rh,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr,
 ):
-    """out[t, k, cols] = bf16(post_k * y + sum_j comb[j, k] * residual_j), all fp32."""
+    """out[t, k, cols] = post_k * y + sum_j comb[j, k] * residual_j: FP32 (V4.1) all in fp32,
+    rounded once; else (V4) as the reference's activation-dtype ops round it: the mix as one
+    matmul of bf16 comb (exact products, an fp32 sum, rounded), post (as bf16) times y
+    rounded, the two added and rounded."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = d < D
     h = tl.arange(0, HC)
+    dtype = out_ptr.dtype.element_ty
     mixed = tl.zeros((HC, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(HC):
         rj = tl.load(res_ptr + t * stride_rt + j * stride_rh + d, mask=ok, other=0.0).to(tl.float32)
-        mixed += tl.load(comb_ptr + t * HC * HC + j * HC + h)[:, None] * rj[None, :]
+        c = tl.load(comb_ptr + t * HC * HC + j * HC + h)
+        if not FP32:
+            c = c.to(dtype).to(tl.float32)
+        mixed += c[:, None] * rj[None, :]
     y = tl.load(y_ptr + t * stride_yt + d, mask=ok, other=0.0).to(tl.float32)
-    out = tl.load(post_ptr + t * HC + h)[:, None] * y[None, :] + mixed
-    tl.store(out_ptr + t * stride_rt + h[:, None] * stride_rh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+    post = tl.load(post_ptr + t * HC + h)
+    if FP32:
+        out = post[:, None] * y[None, :] + mixed
+    else:
+        scaled = (post.to(dtype).to(tl.float32)[:, None] * y[None, :]).to(dtype).to(tl.float32)
+        out = scaled + mixed.to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_rt + h[:, None] * stride_rh + d[None, :], out.to(dtype), mask=ok[None, :])
 
 
-def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """`ops.mhc.hc_expand(..., fp32=True)`: y [T, D], residual [T, hc, D] bf16, post fp32
-    [T, hc], comb fp32 [T, hc, hc] -> [T, hc, D] in residual's dtype."""
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """`ops.mhc.hc_expand`: y [T, D], residual [T, hc, D] bf16, post fp32 [T, hc], comb fp32
+    [T, hc, hc] -> [T, hc, D] in residual's dtype (`fp32`: V4.1's rounding, else V4's)."""
     t, hc, d = residual.shape
     residual = residual.contiguous()
     out = torch.empty_like(residual)
@@ -361,6 +373,6 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     y = y.contiguous()
     _expand_kernel[(t, triton.cdiv(d, EXPAND_BLOCK_D))](
         y, residual, post.contiguous(), comb.contiguous(), out, d, y.stride(0), residual.stride(0), residual.stride(1),
-        HC=hc, BLOCK_D=EXPAND_BLOCK_D, num_warps=4, enable_fp_fusion=False,
+        HC=hc, BLOCK_D=EXPAND_BLOCK_D, FP32=fp32, num_warps=4, enable_fp_fusion=False,
     )
     return out
