@@ -232,9 +232,9 @@ class Compressor:
         self.wkv = w[prefix + "wkv.weight"]
         self.wgate = w.get(prefix + "wgate.weight")
         self.wkv_gate = None
-        if self.v41 and ratio > 1:  # the pooling projections run in fp32: convert once, not per call
-            # one [2 * width, D] weight for a single GEMM; wkv and wgate are its halves
-            self.wkv_gate = torch.cat([self.wkv.float(), self.wgate.float()])
+        if ratio > 1:  # one [2 * width, D] weight for a single GEMM; wkv and wgate are views of its halves
+            # (V4.1's pooling projections run in fp32: converted once, not per call)
+            self.wkv_gate = torch.cat([self.wkv.float(), self.wgate.float()] if self.v41 else [self.wkv, self.wgate])
             self.wkv, self.wgate = self.wkv_gate.split([self.wkv.shape[0], self.wgate.shape[0]])
         self.ape = w.get(prefix + "ape")
         self.norm = w[prefix + "norm.weight"]
@@ -324,8 +324,8 @@ class Compressor:
         if self.v41:
             kv_all, gate_all = self._fp32_projections(x)  # fp32 pooling math, as the reference
             v4 = None
-        else:  # the activation dtype, the position bias and (CSA) the overlapping windows
-            kv_all, gate_all = linear(x, self.wkv.to(dtype)), linear(x, self.wgate.to(dtype))
+        else:  # the activation dtype (one GEMM; kv and gate are column views of it), the position bias and (CSA) the overlapping windows
+            kv_all, gate_all = linear(x, self.wkv_gate.to(dtype)).split([self.wkv.shape[0], self.wgate.shape[0]], dim=1)
             v4 = compressor_ops.V4Pooling(self.ape, self.overlap, cache.prev_kv.get(key), cache.prev_gate.get(key), rows.count)
         tail_kv, tail_gate = cache.tail_kv[key], cache.tail_gate[key]
         out = compressor_ops.compress_entries(kv_all, gate_all, tail_kv, tail_gate, *common, v4=v4)

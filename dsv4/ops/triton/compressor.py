@@ -39,7 +39,7 @@ BLOCK_T, NUM_WARPS = 2, 4  # V4.1: rows per program (2 x 512 channels), warps
 # loops), 8 warps over its [slots, 256-pair] tiles: ~128 registers at 512 channels for sm_90,
 # where 2 rows or 4 warps take 210-255 and spill
 V4_BLOCK_T, V4_NUM_WARPS = 1, 8
-SLOT_TILE = 8  # pooling slots per loop iteration (one tile): V4.1's 2 and V4 CSA's 8 in one, V4 HCA's 128 in 16
+SLOT_TILE = 16  # pooling slots per loop iteration (one tile): V4.1's 2 and V4 CSA's 8 in one, V4 HCA's 128 in 8
 
 
 @triton.jit
