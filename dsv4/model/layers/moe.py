@@ -16,7 +16,7 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.ops import moe as moe_ops
 from dsv4.ops import on_triton
-from dsv4.ops.linear import Linear, linear
+from dsv4.ops.linear import Linear, linear, stack_rows
 
 # From this many (token, expert) pairs per expert on average, the experts are compute bound:
 # the layer's FP8 experts are dequantised to bf16 (exact) for grouped bf16 GEMMs
@@ -81,6 +81,8 @@ class MoE:
             from dsv4.ops.triton.moe import dense_fits
 
             self.dense_fits = dense_fits(self.grouped[0])
+        if self.s1 is not None:  # a shared expert apart from the routed ones: w1 and w3 (one input) as one GEMM, they are views of it
+            self.s13, (self.s1, self.s3) = stack_rows([self.s1, self.s3])
 
     def _unstacked(self) -> tuple[list, list, list]:
         """Per-expert views (w1, w2, w3) of the stacked GPU weights, the shared expert last when
@@ -125,7 +127,8 @@ class MoE:
             routed = moe_ops.experts_forward(x, weights, indices, *self._unstacked(), cfg.swiglu_limit, self.v41)
         if self.shared_in_grouped:
             return routed.to(x.dtype)  # already in it on the kernels
-        shared = self.s2(moe_ops.swiglu(self.s1(x), self.s3(x), cfg.swiglu_limit).to(x.dtype))
+        gate, up = self.s13(x).split([self.s1.out_features, self.s3.out_features], dim=-1)
+        shared = self.s2(moe_ops.swiglu(gate, up, cfg.swiglu_limit).to(x.dtype))
         if self.v41:
             return (routed + shared.float()).to(x.dtype)
         return routed.to(x.dtype) + shared
