@@ -51,7 +51,7 @@ def test_only_fp8_and_fp4_weights_quantise_their_inputs():
     quantised = _linears(_llm(False, True).engine.model)
     plain = _linears(_llm(False, False).engine.model)
     fp8_weights = {"Attention.wq_a", "Attention.wq_a_kv", "Attention.wq_b", "Attention.wkv", "Attention.wo_a", "Attention.wo_b", "Attention.idx_wq_b", "Attention.wq_b_idx",
-                   "Attention.wo_a_groups[0]", "Engram.wkv", "MoE.s1", "MoE.s2", "MoE.s3", "MoE.experts[0][0]"}
+                   "Attention.wo_a_groups[0]", "Engram.wkv", "MoE.s1", "MoE.s2", "MoE.s3", "MoE.s13", "MoE.experts[0][0]"}
     assert fp8_weights <= set(quantised), sorted(quantised)
     for name, lin in quantised.items():
         assert lin.quant_input == (name in fp8_weights), name  # e.g. the compressor's BF16 projections stay unquantised
