@@ -35,8 +35,9 @@ for CPU and CI). Shrinking the real ones to fit one GPU:
 * `--num-layers N` keeps N layers of the schedule, chosen so every kind of layer stays when N
   allows: first the V4.1 CED split layer (the last KV source), the first KV source of each
   compress ratio, the first reindex, engram, window-only, hash-routed, CSA and HCA layers,
-  then the first reuse layer of each KV source kept so far, then layers spread evenly over
-  the rest. Kept layers keep their ratio; source lists, the candidate source, engram layers,
+  then the first reuse layer of each KV source kept so far, then the rest by kind (role and
+  compress ratio): each kind gets a share of the remaining layers in proportion to its count
+  among them, spread evenly over its layers. Kept layers keep their ratio; source lists, the candidate source, engram layers,
   `num_hash_layers` follow the kept layers (a reuse layer whose source was dropped reads the
   previous kept source of its ratio).
 * `--num-experts E` shrinks the routed experts (top-k clamped to E).
@@ -134,9 +135,22 @@ def _keep_layers(cfg: ModelConfig, n: int) -> list[int]:
     for i in want:
         if i is not None and i not in keep and len(keep) < n:
             keep.append(i)
-    rest = [i for i in range(len(roles)) if i not in keep]
+    # The rest by kind, each kind's share of the remaining m in proportion to its layers there
+    # (largest remainders; ties to the kind that comes first), spread evenly over its layers.
+    # A plain even spread over the rest aliases with an alternating schedule: V4's CSA / HCA
+    # pairs gave 1 CSA and 6 HCA layers at N = 8.
     m = n - len(keep)
-    keep += [rest[int((j + 0.5) * len(rest) / m)] for j in range(m)]
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i in range(len(roles)):
+        if i not in keep:
+            groups.setdefault((roles[i].kind, roles[i].compress_ratio), []).append(i)
+    rest = sum(len(g) for g in groups.values())
+    share = {k: m * len(g) / rest for k, g in groups.items()}
+    count = {k: int(s) for k, s in share.items()}
+    for k in sorted(groups, key=lambda k: (count[k] - share[k], groups[k][0]))[: m - sum(count.values())]:
+        count[k] += 1
+    for k, g in groups.items():
+        keep += [g[int((j + 0.5) * len(g) / count[k])] for j in range(count[k])]
     return sorted(keep)
 
 

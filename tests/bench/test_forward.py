@@ -298,6 +298,16 @@ def test_num_layers_keeps_every_layer_kind():
     assert bench_config("v41", num_experts=4).num_experts_per_tok == 4
 
 
+def test_num_layers_keeps_the_kinds_in_proportion():
+    """V4's schedule alternates CSA and HCA layers (21 / 20 of 43): a shrunk model keeps about
+    that mix, not what an even spread over the alternation happens to hit."""
+    for n in (6, 8, 12, 16):
+        kinds = [r.kind for r in bench_config("v4", num_layers=n).roles]
+        assert kinds.count("window") >= 1 and abs(kinds.count("csa") - kinds.count("hca")) <= 1, (n, kinds)
+    v41 = [r.kind for r in bench_config("v41", num_layers=16).roles]
+    assert v41.count("reuse") >= 8  # 31 of the 40 layers
+
+
 def test_engram_rows_cap_keeps_the_prime_layout_consistent():
     cfg = bench_config("v41", num_layers=4, engram_rows=1 << 20)
     assert cfg.engram_layer_ids and all(0.9 * (1 << 20) < n < 1.1 * (1 << 20) for n in cfg.engram_num_embeddings)
