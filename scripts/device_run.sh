@@ -7,7 +7,7 @@
 # same with FP8 activations, insitu4: with FP4 experts, insitu_v4, golden_v4 and bench_v4: V4-Flash, ab, ncu,
 # profile), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
-# BASELINE_CASES, BASELINE_TIMEOUT, NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
+# BASELINE_CASES, BASELINE_TIMEOUT, BASELINE_CONFIG (v41 or v4), NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
 # knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS='... ...'" (a variant is eval'd: quote a value with spaces), or bench flags: AB_ENV="AB_FLAGS=--fp4-experts"), KNOBS (module globals or dict entries the bench runs under, Python literals:
 # KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"; a dotted path
 # walks nested tables, digits indexing tuples: KNOBS=dsv4.ops.triton.moe:MOE.rows.4.1.gate_up.maxnreg=128),
@@ -142,7 +142,7 @@ if want exact; then  # the same prefill in exact replay mode (every decoder laye
 fi
 if want baseline; then  # the HF-style reference path (dequantised bf16 weights, torch ops) on a few cases
   echo "=== baseline" | tee -a "$LOG"
-  bench "${BASELINE_TIMEOUT:-150}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
+  bench "${BASELINE_TIMEOUT:-150}" --config "${BASELINE_CONFIG:-v41}" --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 1 --iters 3 --baseline --no-breakdown --json "$OUT/forward_baseline.json" \
     ${BASELINE_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192} 2>&1 | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -12
 fi

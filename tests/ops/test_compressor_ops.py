@@ -180,10 +180,15 @@ def _expected_state(args, v4, ratio):
     return prev_kv, prev_gate
 
 
-@pytest.mark.parametrize("ratio, overlap, block_size", [(4, True, 8), (128, False, 256)], ids=["csa", "hca"])
-def test_compress_entries_kernel_matches_reference_v4(ratio, overlap, block_size):
+@pytest.mark.parametrize("ratio, overlap, block_size, apart_pairs", [(4, True, 8, None), (128, False, 256, None), (128, False, 256, 2)],
+                         ids=["csa", "hca", "hca-4-slices"])
+def test_compress_entries_kernel_matches_reference_v4(ratio, overlap, block_size, apart_pairs, monkeypatch):
     """V4's compressors: the position bias, bf16 pooling, the fp32-weight norm, the bf16 cache;
-    CSA's overlapping windows and their state (read from it, then its update)."""
+    CSA's overlapping windows and their state (read from it, then its update). HCA's groups
+    pool in a launch of their own (`_pool_kernel`), its rows' channels in one slice or four."""
+    assert (ratio >= tcompressor.APART_MIN_SLOTS) == (ratio == 128)
+    if apart_pairs is not None:
+        monkeypatch.setattr(tcompressor, "APART_PAIRS", apart_pairs)
     requests = V4_CSA if overlap else V4_HCA
     args, v4 = _v4_case(ratio, requests, overlap, seed=ratio, block_size=block_size)
     before = args[-1].values.clone()

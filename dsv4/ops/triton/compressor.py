@@ -15,6 +15,10 @@ at fp32 rounding level); V4 rounds the gate's softmax weights and each weighted 
 norm's sum of squares runs in another order than the row-wise kernel's (fp32 rounding level,
 as that kernel is to torch's).
 
+Large groups (V4 HCA's 128 slots; APART_MIN_SLOTS) pool in a launch of their own first, a
+program per row and slice of channel pairs (`_pool_kernel`; softmax and sum are per channel, so
+the bits are the fused kernel's), and the entry kernel reads the pooled rows.
+
 The slots are visited in a loop over tiles of SLOT_TILE slots (one load each, independent loads
 in flight: no 3 x 128 unrolled slot bodies at V4's ratio 128). V4's rows that complete no group
 load nothing and get zeros, and a program without such a row skips the loops. The kernel only
@@ -40,6 +44,12 @@ BLOCK_T, NUM_WARPS = 2, 4  # V4.1: rows per program (2 x 512 channels), warps
 # where 2 rows or 4 warps take 210-255 and spill
 V4_BLOCK_T, V4_NUM_WARPS = 1, 8
 SLOT_TILE = 16  # pooling slots per loop iteration (one tile): V4.1's 2 and V4 CSA's 8 in one, V4 HCA's 128 in 8
+# Groups of at least APART_MIN_SLOTS slots (V4 HCA's 128) pool in a launch of their own
+# (`_pool_kernel`), APART_PAIRS channel pairs a program: one program per row ran a decode row's
+# 128-slot softmax through 3 passes of serial loads and ~25-instruction expf's on one SM. The
+# entry kernel then reads the pooled rows (POOLED) for the norm, RoPE and store.
+APART_MIN_SLOTS = 32
+APART_PAIRS = 32
 
 
 @triton.jit
@@ -114,21 +124,94 @@ def _weighted_norm(x, rstd, weight, FP32_WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def _pool(kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, ape_ptr, prev_kv_ptr, prev_gate_ptr, start_ptr, row0_ptr, slot_ptr,
+          req, pos, ok, p, R, stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape,
+          RATIO: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
+          V4: tl.constexpr, OVERLAP: tl.constexpr):
+    """The pooled entry of each row's group over channel pairs p [1, PAIRS]: (even, odd) fp32
+    [BLOCK_T, PAIRS] of bf16 values. Softmax and sum run per channel, so any split of the pairs
+    gives the same bits. V4: only the rows that complete a group pool, the others get zeros."""
+    N_SLOTS: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
+    first = tl.load(start_ptr + req, mask=ok, other=0).to(tl.int64)
+    row0 = tl.load(row0_ptr + req, mask=ok, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + req, mask=ok, other=0).to(tl.int64)
+    g0 = pos - pos % RATIO
+    pooling = ok
+    n_iter = N_SLOTS // SLOTS_PER_ITER
+    if V4:  # only the rows that complete a group pool (V4's callers use no other row's entry)
+        pooling = ok & (pos % RATIO == RATIO - 1)
+        n_iter = tl.max(pooling.to(tl.int32), axis=0) * n_iter
+    pooling3 = pooling[:, None, None]
+    p3 = p[:, None, :]
+    # pass 1: the gate's max over the slots, per channel
+    m_e = tl.full((BLOCK_T, PAIRS), float("-inf"), dtype=tl.float32)
+    m_o = tl.full((BLOCK_T, PAIRS), float("-inf"), dtype=tl.float32)
+    for it in range(0, n_iter):
+        k = it * SLOTS_PER_ITER + tl.arange(0, SLOTS_PER_ITER)
+        ge, go = _slots(gate_ptr, tail_gate_ptr, prev_gate_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
+                        stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, V4)
+        m_e = tl.maximum(m_e, tl.max(ge, axis=1))
+        m_o = tl.maximum(m_o, tl.max(go, axis=1))
+    # pass 2: exp and their sum; pass 3: the weighted sum (softmax = exp / sum, then * kv)
+    s_e = tl.zeros((BLOCK_T, PAIRS), dtype=tl.float32)
+    s_o = tl.zeros((BLOCK_T, PAIRS), dtype=tl.float32)
+    for it in range(0, n_iter):
+        k = it * SLOTS_PER_ITER + tl.arange(0, SLOTS_PER_ITER)
+        ge, go = _slots(gate_ptr, tail_gate_ptr, prev_gate_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
+                        stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, V4)
+        s_e += tl.sum(libdevice.exp(ge - m_e[:, None, :]), axis=1)
+        s_o += tl.sum(libdevice.exp(go - m_o[:, None, :]), axis=1)
+    le = tl.zeros((BLOCK_T, PAIRS), dtype=tl.float32)
+    lo = tl.zeros((BLOCK_T, PAIRS), dtype=tl.float32)
+    for it in range(0, n_iter):
+        k = it * SLOTS_PER_ITER + tl.arange(0, SLOTS_PER_ITER)
+        ge, go = _slots(gate_ptr, tail_gate_ptr, prev_gate_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
+                        stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, V4)
+        ke, ko = _slots(kv_ptr, tail_kv_ptr, prev_kv_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
+                        stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, False)
+        le += tl.sum(_pooled_term(ke, ge, m_e[:, None, :], s_e[:, None, :], V4), axis=1)
+        lo += tl.sum(_pooled_term(ko, go, m_o[:, None, :], s_o[:, None, :], V4), axis=1)
+    return le.to(tl.bfloat16).to(tl.float32), lo.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _pool_kernel(
+    kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, req_ptr, pos_ptr, start_ptr, row0_ptr, slot_ptr, pooled_ptr,
+    R, stride_kv, stride_tail_s, stride_tail_j, ape_ptr, prev_kv_ptr, prev_gate_ptr, stride_prev_s, stride_prev_j, stride_ape,
+    RATIO: tl.constexpr, W: tl.constexpr, PAIRS: tl.constexpr, SLOTS_PER_ITER: tl.constexpr, V4: tl.constexpr, OVERLAP: tl.constexpr,
+):
+    """Program (row, PAIRS channel pairs): `_pool` of that slice to `pooled` [R, W] bf16 (the
+    rows that pool; `_compress_kernel` POOLED takes the others as zeros)."""
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    ok = rows < R
+    req = tl.load(req_ptr + rows, mask=ok, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.int64)
+    p = tl.program_id(1) * PAIRS + tl.arange(0, PAIRS)[None, :]
+    le, lo = _pool(kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, ape_ptr, prev_kv_ptr, prev_gate_ptr, start_ptr, row0_ptr, slot_ptr,
+                   req, pos, ok, p, R, stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape,
+                   RATIO, W, 1, PAIRS, SLOTS_PER_ITER, V4, OVERLAP)
+    pooling = ok & (pos % RATIO == RATIO - 1) if V4 else ok
+    dst = pooled_ptr + rows[:, None] * W + 2 * p
+    tl.store(dst, le.to(tl.bfloat16), mask=pooling[:, None])
+    tl.store(dst + 1, lo.to(tl.bfloat16), mask=pooling[:, None])
+
+
+@triton.jit
 def _compress_kernel(
     kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, req_ptr, pos_ptr, start_ptr, row0_ptr, write_ptr, slot_ptr, emit_from_ptr,
     block_table_ptr, norm_ptr, cos_ptr, sin_ptr, cache_ptr, scales_ptr, out_ptr, block_out_ptr, offset_out_ptr, emit_out_ptr,
     R, eps, n_cols, S, stride_kv, stride_tail_s, stride_tail_j, stride_bt, stride_cos, stride_c0, stride_c1, stride_s0, stride_s1,
     ape_ptr, prev_kv_ptr, prev_gate_ptr, stride_prev_s, stride_prev_j, stride_ape,
     RATIO: tl.constexpr, W: tl.constexpr, ROPE_PAIRS: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    SLOTS_PER_ITER: tl.constexpr, V4: tl.constexpr, OVERLAP: tl.constexpr, FP4: tl.constexpr,
+    SLOTS_PER_ITER: tl.constexpr, V4: tl.constexpr, OVERLAP: tl.constexpr, FP4: tl.constexpr, POOLED: tl.constexpr, pooled_ptr,
 ):
     """W: the entry width. V4: V4's pooling (position bias, bf16 weights and terms, the rows
     that complete no group skipped) and fp32-weight norm; OVERLAP: its overlapping windows
     (kv / gate rows 2W wide, the overlap state `prev_*` [slots, r, W] read); FP4: the cache
     holds FP4 codes (`cache_ptr`, [S, P, W/2]) and E4M3 scales, else the entries in its own
-    dtype (`cache_ptr`, [S, P, W]; `scales_ptr` not read)."""
+    dtype (`cache_ptr`, [S, P, W]; `scales_ptr` not read). POOLED: `_pool_kernel` pooled the
+    rows already (`pooled_ptr` [R, W]; V4's rows that complete no group are zeros, not read)."""
     HALF: tl.constexpr = W // 2
-    N_SLOTS: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < R
     req = tl.load(req_ptr + rows, mask=ok, other=0).to(tl.int64)
@@ -138,48 +221,14 @@ def _compress_kernel(
     if RATIO == 1:
         le = _load_fp32(kv_ptr + rows[:, None] * stride_kv + 2 * p, ok2)
         lo = _load_fp32(kv_ptr + rows[:, None] * stride_kv + 2 * p + 1, ok2)
+    elif POOLED:
+        pooling = ok2 & (pos % RATIO == RATIO - 1)[:, None] if V4 else ok2
+        le = _load_fp32(pooled_ptr + rows[:, None] * W + 2 * p, pooling)
+        lo = _load_fp32(pooled_ptr + rows[:, None] * W + 2 * p + 1, pooling)
     else:
-        first = tl.load(start_ptr + req, mask=ok, other=0).to(tl.int64)
-        row0 = tl.load(row0_ptr + req, mask=ok, other=0).to(tl.int64)
-        slot = tl.load(slot_ptr + req, mask=ok, other=0).to(tl.int64)
-        g0 = pos - pos % RATIO
-        pooling = ok
-        n_iter = N_SLOTS // SLOTS_PER_ITER
-        if V4:  # only the rows that complete a group pool (V4's callers use no other row's entry)
-            pooling = ok & (pos % RATIO == RATIO - 1)
-            n_iter = tl.max(pooling.to(tl.int32), axis=0) * n_iter
-        pooling3 = pooling[:, None, None]
-        p3 = p[:, None, :]
-        # pass 1: the gate's max over the slots, per channel
-        m_e = tl.full((BLOCK_T, HALF), float("-inf"), dtype=tl.float32)
-        m_o = tl.full((BLOCK_T, HALF), float("-inf"), dtype=tl.float32)
-        for it in range(0, n_iter):
-            k = it * SLOTS_PER_ITER + tl.arange(0, SLOTS_PER_ITER)
-            ge, go = _slots(gate_ptr, tail_gate_ptr, prev_gate_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
-                            stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, V4)
-            m_e = tl.maximum(m_e, tl.max(ge, axis=1))
-            m_o = tl.maximum(m_o, tl.max(go, axis=1))
-        # pass 2: exp and their sum; pass 3: the weighted sum (softmax = exp / sum, then * kv)
-        s_e = tl.zeros((BLOCK_T, HALF), dtype=tl.float32)
-        s_o = tl.zeros((BLOCK_T, HALF), dtype=tl.float32)
-        for it in range(0, n_iter):
-            k = it * SLOTS_PER_ITER + tl.arange(0, SLOTS_PER_ITER)
-            ge, go = _slots(gate_ptr, tail_gate_ptr, prev_gate_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
-                            stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, V4)
-            s_e += tl.sum(libdevice.exp(ge - m_e[:, None, :]), axis=1)
-            s_o += tl.sum(libdevice.exp(go - m_o[:, None, :]), axis=1)
-        le = tl.zeros((BLOCK_T, HALF), dtype=tl.float32)
-        lo = tl.zeros((BLOCK_T, HALF), dtype=tl.float32)
-        for it in range(0, n_iter):
-            k = it * SLOTS_PER_ITER + tl.arange(0, SLOTS_PER_ITER)
-            ge, go = _slots(gate_ptr, tail_gate_ptr, prev_gate_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
-                            stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, V4)
-            ke, ko = _slots(kv_ptr, tail_kv_ptr, prev_kv_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
-                            stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, False)
-            le += tl.sum(_pooled_term(ke, ge, m_e[:, None, :], s_e[:, None, :], V4), axis=1)
-            lo += tl.sum(_pooled_term(ko, go, m_o[:, None, :], s_o[:, None, :], V4), axis=1)
-        le = le.to(tl.bfloat16).to(tl.float32)
-        lo = lo.to(tl.bfloat16).to(tl.float32)
+        le, lo = _pool(kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, ape_ptr, prev_kv_ptr, prev_gate_ptr, start_ptr, row0_ptr, slot_ptr,
+                       req, pos, ok, p, R, stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape,
+                       RATIO, W, BLOCK_T, HALF, SLOTS_PER_ITER, V4, OVERLAP)
     rstd = tl.math.rsqrt((tl.sum(le * le, axis=1) + tl.sum(lo * lo, axis=1)) / W + eps)[:, None]
     ye = _weighted_norm(le, rstd, tl.load(norm_ptr + 2 * p).to(tl.float32), V4)
     yo = _weighted_norm(lo, rstd, tl.load(norm_ptr + 2 * p + 1).to(tl.float32), V4)
@@ -272,16 +321,27 @@ def compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, 
     cache = ckv.codes if ckv.quantized else ckv.values
     scales = ckv.scales if ckv.quantized else cache  # not written unquantised
     n_slots = 2 * ratio if overlap else ratio
+    v4_args = (ape, prev_kv, prev_gate, prev_kv.stride(0), prev_kv.stride(1), ape.stride(0))
+    apart = pooled and n_slots >= APART_MIN_SLOTS
+    pooled_rows = out  # not read unless apart
+    if apart:
+        pooled_rows = torch.empty(n_rows, width, dtype=torch.bfloat16, device=kv.device)
+        pairs = min(APART_PAIRS, pairs)
+        _pool_kernel[(n_rows, width // 2 // pairs)](
+            kv, gate, tail_kv, tail_gate, req, positions, start, row0, slots, pooled_rows, n_rows, kv.stride(0), tail_kv.stride(0), tail_kv.stride(1), *v4_args,
+            RATIO=ratio, W=width, PAIRS=pairs, SLOTS_PER_ITER=slots_per_iteration(n_slots), V4=v4 is not None, OVERLAP=overlap,
+            num_warps=4, enable_fp_fusion=False,
+        )
     block_t, num_warps = (BLOCK_T, NUM_WARPS) if v4 is None else (V4_BLOCK_T, V4_NUM_WARPS)
     _compress_kernel[(triton.cdiv(n_rows, block_t),)](
         kv, gate, tail_kv, tail_gate, req, positions, start, row0, write.contiguous().view(torch.uint8), slots, emit_from,
         tables, norm_weight, cos, sin, cache, scales, out, where[0], where[1], emit.view(torch.int8),
         n_rows, float(eps), tables.shape[1], cache.shape[0], kv.stride(0), tail_kv.stride(0), tail_kv.stride(1), tables.stride(0), cos.stride(0),
         cache.stride(0), cache.stride(1), scales.stride(0), scales.stride(1),
-        ape, prev_kv, prev_gate, prev_kv.stride(0), prev_kv.stride(1), ape.stride(0),
+        *v4_args,
         RATIO=ratio, W=width, ROPE_PAIRS=cos.shape[1], PER_BLOCK=block_size // ratio, BLOCK_T=block_t,
         SLOTS_PER_ITER=slots_per_iteration(n_slots), V4=v4 is not None, OVERLAP=overlap, FP4=ckv.quantized,
-        num_warps=num_warps, enable_fp_fusion=False,
+        POOLED=apart, pooled_ptr=pooled_rows, num_warps=num_warps, enable_fp_fusion=False,
     )
     return out, where, emit
 
