@@ -68,6 +68,9 @@ TOLERANCE = {
     # compact FP8 weights only run on the GPU (CPU runs load dequantised weights)
     "fp8_linear_w8a16": 1e-2, "moe_experts": 2e-2, "moe_experts_dense": 2e-2,
     "fp8_act_fake_quant": 0.0, "fp8_act_quant": 0.0,  # --fp8-activations only (codes and exponents bit for bit)
+    # the same experts (else inf); weights bit for bit on the GPU (libdevice is CUDA's libm; fp32
+    # sums of 6 bf16 scores of like size are exact in any order), one bf16 unit on the CPU
+    "route_logits": 0.0 if torch.cuda.is_available() else 8e-3,
     "route_scores": 1e-5,  # the same experts (else inf); weights to fp32 rounding of the logits (summed in another order than cuBLAS's)
     "compress_entries": 1e-2,  # the norm's sum of squares in another order (as rms_norm); cache bytes: their share
     "overlap_state": 0.0,  # V4's overlap state: gathered values, bit for bit
@@ -231,6 +234,8 @@ def install(checker: Checker) -> None:
     c.wrap(attention_layer, "linear_fp32", lambda x, w: linear(x.float(), w))
     c.wrap(t_router, "route_scores", moe_ops.route_scores,
            lambda o, r, *a: _rel(o[0], r[0]) if torch.equal(o[1].cpu(), r[1].cpu()) else float("inf"))
+    c.wrap(t_router, "route_logits", moe_ops.route_logits,
+           lambda o, r, *a, **kw: _rel(o[0], r[0]) if torch.equal(o[1].cpu(), r[1].cpu()) else float("inf"))
 
 
 def _moe_error(out, ref, *args, fp8_act=False, **kwargs):
@@ -265,10 +270,12 @@ def _w8a16_reference(x, w, s, block, groups=1, x_scale=None):
     return torch.cat([linear(x[..., g * k : (g + 1) * k], dense[g * n : (g + 1) * n]) for g in range(groups)], dim=-1)
 
 
-def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down, out_dtype=torch.float32, fp8_act=False, shared=None):
+def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down, out_dtype=torch.float32, fp8_act=False, shared=None,
+                   shared_after_rounding=False):
     """The per-expert torch loop on the same experts (FP8 or compact FP4), dequantised
     (dsv4.ops.moe), a separate shared expert last; with fp8_act its Linears quantise their
-    inputs."""
+    inputs. (`shared_after_rounding`: V4's loop adds every expert in bf16, the shared one,
+    the highest id, last.)"""
     rows = lambda w, s: [Linear(w[e], s[e], 0, row_scales=True, quant_input=fp8_act) for e in range(w.shape[0])]
     w1, wd, w3 = [], [], []
     for w13, s13, w2, s2 in [(w13, s13, w2, s2)] + ([shared] if shared is not None else []):

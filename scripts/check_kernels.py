@@ -2451,10 +2451,11 @@ def compile_targets() -> list[tuple]:
         bt = moe.MOE["rows"][0][1]["BLOCK_T"]
         consts = {"BLOCK_T": bt, "E_BLOCK": e_block, "P_BLOCK": moe.ALIGN_P_BLOCK, "FILL": 256}
         out.append((f"moe align E<{e_block}", moe._align_kernel, align, consts, {"num_warps": 4}))
-    for gather, out_type in ((False, "fp32"), (False, "bf16"), (True, "bf16")):  # bf16: V4.1's layer output
-        out.append((f"moe slot sum{' gathered' if gather else ''} -> {out_type}", moe._sum_slots_kernel,
+    # bf16: the layer output (V4: the shared expert added after rounding)
+    for gather, out_type, after in ((False, "fp32", False), (False, "bf16", False), (True, "bf16", False), (False, "bf16", True), (True, "bf16", True)):
+        out.append((f"moe slot sum{' gathered' if gather else ''} -> {out_type}{' shared after rounding' if after else ''}", moe._sum_slots_kernel,
                     {"y_ptr": "*bf16:16", "ids_ptr": "*i64:16", "row_ptr": "*i64:16", "out_ptr": f"*{out_type}:16", "D": a},
-                    {"TOPK": 7, "K_BLOCK": 8, "BLOCK": 1024, "GATHER": gather}, {"num_warps": 4}))
+                    {"TOPK": 7, "K_BLOCK": 8, "BLOCK": 1024, "GATHER": gather, "LAST_AFTER_ROUNDING": after}, {"num_warps": 4}))
     import triton
 
     from dsv4.ops.triton import mhc, router
@@ -2464,6 +2465,11 @@ def compile_targets() -> list[tuple]:
     for e, chunks in ((64, 1), (384, mhc.fp32_chunks(5120)[1])):
         out.append((f"router E={e} chunks={chunks}", router._route_kernel, route,
                     {"CHUNKS": chunks, "TOP_K": 6, "NORMALIZE": True, "EXTRA": True, "E_BLOCK": triton.next_power_of_2(e), "K_BLOCK": 8}, {"num_warps": 4 if e > 256 else 1}))
+    route_v4 = {"logit_ptr": "*bf16:16", "bias_ptr": "*fp32:16", "fixed_ptr": "*i64:16", "weights_ptr": "*fp32:16", "ids_ptr": "*i64:16", "E": "i32",
+                "stride_l": "i32", "stride_fixed": "i32", "scale": f, "extra_id": "i32"}
+    for fixed in (False, True):  # V4: learned and hash-routed layers, 256 experts
+        out.append((f"router V4 E=256{' hash' if fixed else ''}", router._route_v4_kernel, route_v4,
+                    {"TOP_K": 6, "NORMALIZE": True, "FIXED": fixed, "EXTRA": True, "E_BLOCK": 256, "K_BLOCK": 8}, {"num_warps": 1}))
     dequant = {"w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "N": a, "K": a, "stride_wn": a, "stride_sn": a, "stride_on": a}
     for qrows, qcols in ((32, 32), (1, 32)):
         out.append((f"dequant fp8 scales {qrows}x{qcols}", fp8_gemm._dequant_kernel, dequant,

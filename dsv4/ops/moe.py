@@ -39,12 +39,29 @@ def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k:
         from dsv4.ops.triton import router
 
         return router.route_scores(x, gate, bias, top_k, temp, routed_scale, normalize, extra_expert)
-    weights, indices = route(sqrtsoftplus(linear_fp32(x, gate) / temp), bias, top_k, None, routed_scale, normalize)
+    return _with_extra(*route(sqrtsoftplus(linear_fp32(x, gate) / temp), bias, top_k, None, routed_scale, normalize), extra_expert)
+
+
+def _with_extra(weights: torch.Tensor, indices: torch.Tensor, extra_expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route`'s result as fp32 weights, `extra_expert` (if any) appended to every token at weight 1."""
     weights = weights.float()
     if extra_expert is not None:
         indices = torch.cat([indices, torch.full_like(indices[:, :1], extra_expert)], dim=1)
         weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
     return weights, indices
+
+
+def route_logits(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scale: float, normalize: bool,
+                 fixed: torch.Tensor | None = None, extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4's routing from its router logits [T, E] in the activation dtype -> (weights fp32,
+    ids int64), [T, k] or with `extra_expert` appended at weight 1, [T, k + 1]: scores
+    sqrtsoftplus(logits) and the rest of `route` in the logits' dtype (the hash layers' fixed
+    ids [T, k] in place of the selection). One Triton kernel on the GPU for bf16 logits."""
+    if on_triton(logits) and logits.dtype == torch.bfloat16:
+        from dsv4.ops.triton import router
+
+        return router.route_logits(logits, bias, top_k, routed_scale, normalize, fixed, extra_expert)
+    return _with_extra(*route(sqrtsoftplus(logits), bias, top_k, fixed, routed_scale, normalize), extra_expert)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ def _patch_interpreter() -> None:
     multiplies their raw uint16 bit patterns; (3) fp32 -> bf16 casts truncate instead of
     rounding to nearest even; (4) libdevice's functions are not interpreted at all: `exp`
     (the compressor's, CUDA's expf on the GPU) becomes the interpreter's `tl.exp`, numpy's, and
-    so do `cos` / `sin` (the RoPE tables')."""
+    so do `cos` / `sin` (the RoPE tables') and `log1p` (V4's router)."""
     import numpy as np
     import triton.language as tl
     from triton.language.extra import libdevice
@@ -53,6 +53,7 @@ def _patch_interpreter() -> None:
         return cast_impl(self, src, dst_type)
 
     libdevice.exp = lambda x: tl.exp(x)
+    libdevice.log1p = lambda x: tl.tensor(interp.interpreter_builder.unary_op(x.handle, np.log1p), x.type)  # (V4's router)
     libdevice.cos = lambda x: tl.cos(x)
     libdevice.sin = lambda x: tl.sin(x)
     interp._patch_lang_tensor = patched_tensor

@@ -1153,6 +1153,28 @@ def test_moe_experts_dense_matches_reference(weight_before_down):
         assert got.dtype == torch.bfloat16 and torch.equal(got.cpu(), want.cpu().bfloat16())
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["grouped", "dense"])
+def test_moe_shared_expert_after_rounding(dense):
+    """V4's shared expert in the stack (the highest id, every token's last slot at weight 1):
+    with `shared_after_rounding` the routed sum is rounded to bf16 and the shared output added
+    to it in bf16 — bit for bit the routed-only and shared-only calls combined that way."""
+    t, top_k, n_exp, d, inter, limit = 9, 2, 5, 64, 96, 10.0
+    g = _gen(97)
+    x = (torch.randn(t, d, generator=g) * 2).bfloat16()
+    stack = _experts(n_exp + 1, d, inter, g)  # expert n_exp: the shared one
+    weights, ids = moe_ref.route(moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g)), torch.zeros(n_exp), top_k, None, 1.5, True)
+    shared_ids, ones = torch.full((t, 1), n_exp), torch.ones(t, 1)
+    kernel = moe.moe_experts_dense if dense else moe.moe_experts
+    call = lambda i, w, *a, **kw: kernel(*(v.to(DEVICE) for v in (x, i, w, *stack)), limit, False, *a, **kw).cpu()
+    routed, shared = call(ids, weights), call(shared_ids, ones)
+    got = call(torch.cat([ids, shared_ids], 1), torch.cat([weights, ones], 1), torch.bfloat16, shared_after_rounding=True)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (routed.bfloat16().float() + shared).bfloat16())
+    assert not torch.equal(got, (routed + shared).bfloat16())  # one rounding more than V4.1's sum
+    with pytest.raises(ValueError, match="shared_after_rounding gives a bf16 sum"):
+        call(ids, weights, torch.float32, shared_after_rounding=True)
+
+
 def test_moe_experts_dense_rejects_bad_inputs(monkeypatch):
     g = _gen(5)
     w13, s13, w2, s2 = _experts(2, 64, 96, g)
@@ -1253,3 +1275,46 @@ def test_route_scores_breaks_ties_by_lowest_id_and_rejects_bad_inputs():
         router.route_scores(x.float(), gate, torch.zeros(8, device=DEVICE), 2, 1.0, 1.0, True)
     with pytest.raises(ValueError, match="gate fp32"):
         router.route_scores(x, gate.bfloat16(), torch.zeros(8, device=DEVICE), 2, 1.0, 1.0, True)
+
+
+@pytest.mark.parametrize("t,e,k,normalize,extra,hashed", [(5, 256, 6, True, 256, False), (4, 64, 6, True, None, True), (3, 8, 1, False, 8, False)],
+                         ids=["learned", "hash", "top1"])
+def test_route_logits_matches_reference(t, e, k, normalize, extra, hashed):
+    """V4's routing from bf16 logits against its torch ops: the same experts in the same order,
+    weights bit for bit — every bf16 rounding of the torch ops (softplus, sqrt, the sum, + 1e-20,
+    the division, the scale) happens in the kernel too; row 0 takes softplus's linear branch
+    (25, 21) and its deep tail (-30)."""
+    from dsv4.ops import moe as moe_ops
+    from dsv4.ops.triton import router
+
+    g = _gen(t * e + k)
+    logits = (torch.randn(t, e, generator=g) * 2).bfloat16()
+    logits[0, :4] = torch.tensor([25.0, -30.0, 21.0, 19.5]).bfloat16()
+    bias = None if hashed else torch.randn(e, generator=g) * 0.1
+    fixed = torch.randint(0, e, (t, k), generator=g) if hashed else None
+    want_w, want_ids = moe_ops.route_logits(logits, bias, k, 1.5, normalize, fixed, extra)  # CPU: torch
+    got_w, got_ids = router.route_logits(logits.to(DEVICE), None if bias is None else bias.to(DEVICE), k, 1.5, normalize,
+                                         None if fixed is None else fixed.to(DEVICE), extra)
+    width = k + (extra is not None)
+    assert got_w.shape == got_ids.shape == (t, width) and got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids.cpu(), want_ids)
+    assert torch.equal(got_w.cpu(), want_w)
+    if hashed:
+        assert torch.equal(got_ids.cpu(), fixed)
+
+
+def test_route_logits_rejects_bad_inputs():
+    from dsv4.ops.triton import router
+
+    logits = torch.zeros(2, 8, dtype=torch.bfloat16, device=DEVICE)
+    bias = torch.zeros(8, device=DEVICE)
+    w, ids = router.route_logits(logits, bias, 3, 1.0, True)  # equal scores: the lowest ids
+    assert ids.cpu().tolist() == [[0, 1, 2], [0, 1, 2]]
+    with pytest.raises(ValueError, match="top_k"):
+        router.route_logits(logits, bias, 9, 1.0, True)
+    with pytest.raises(ValueError, match="bf16"):
+        router.route_logits(logits.float(), bias, 2, 1.0, True)
+    with pytest.raises(ValueError, match="bias"):
+        router.route_logits(logits, None, 2, 1.0, True)
+    with pytest.raises(ValueError, match="fixed ids"):
+        router.route_logits(logits, None, 2, 1.0, True, torch.zeros(2, 3, dtype=torch.long, device=DEVICE))

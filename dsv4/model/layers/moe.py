@@ -2,12 +2,13 @@
 V4; hash-routed on V4's first layers), routed experts and the shared expert.
 
 On the GPU (compact weights) the routed experts are stacked for the grouped Triton kernels —
-converted to FP8, or FP4 as the checkpoint holds them (`ModelConfig.fp4_experts`) — and on V4.1 the shared expert
+converted to FP8, or FP4 as the checkpoint holds them (`ModelConfig.fp4_experts`) — and the shared expert
 joins them as one more expert that every token takes with weight 1 (FP8: the last expert of
 an FP8 stack, or a stack of one beside an FP4 stack, run by the same kernels over the same
-buffers): the kernels then compute it exactly as the reference does (bf16 gate/up, clamped
-SwiGLU in fp32, bf16 activation, bf16 output added last to the fp32 sum of the routed ones),
-instead of two more projections and the SwiGLU's elementwise ops."""
+buffers): the kernels then compute it as the reference does (bf16 gate/up, clamped SwiGLU in
+fp32, bf16 activation, bf16 output added last: V4.1 to the fp32 sum of the routed ones, V4 to
+that sum rounded to bf16, in bf16), instead of two more projections and the SwiGLU's
+elementwise ops."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class MoE:
             # compact experts on the GPU (FP8, or FP4 with fp4_experts): stacked once for
             # the grouped Triton kernels (the stacked copies replace the per-expert tensors)
             fp4 = w1[0].weight.dtype == torch.uint8
-            if self.v41 and self.s1.scale is not None and self.s1.weight.shape == (w1[0].weight.shape[0], cfg.hidden_size) and b % 32 == 0:
+            if self.s1.scale is not None and self.s1.weight.shape == (w1[0].weight.shape[0], cfg.hidden_size) and b % 32 == 0:
                 shared = [Linear(lin.weight, _row_scales(lin), 0, True) for lin in (self.s1, self.s3, self.s2)]
                 self.shared_in_grouped, self.shared_id = True, n_experts
                 self.s1 = self.s2 = self.s3 = None
@@ -100,18 +101,16 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, trace: dict | None = None, tag: str = "") -> torch.Tensor:
         cfg = self.cfg
-        if self.v41:  # learned routing only; the shared expert joins as the last slot when it is in the stack
+        # the shared expert joins as every token's last slot when it is in the stack
+        if self.v41:  # learned routing only
             weights, indices = moe_ops.route_scores(x, self.gate, self.bias, self.top_k, cfg.gate_temp,
                                                     cfg.routed_scaling_factor, cfg.norm_topk_prob, self.shared_id)
-            if trace is not None:
-                trace.setdefault(f"{tag}.experts", []).append(indices[:, : self.top_k].sort(dim=-1).values)
         else:
-            scores = moe_ops.sqrtsoftplus(linear(x, self.gate.to(x.dtype)))
             fixed = self.tid2eid[input_ids] if self.tid2eid is not None else None
-            weights, indices = moe_ops.route(scores, self.bias, self.top_k, fixed, cfg.routed_scaling_factor, cfg.norm_topk_prob)
-            if trace is not None and fixed is None:
-                trace.setdefault(f"{tag}.experts", []).append(indices.sort(dim=-1).values)
-            weights = weights.float()
+            weights, indices = moe_ops.route_logits(linear(x, self.gate.to(x.dtype)), self.bias, self.top_k, cfg.routed_scaling_factor,
+                                                    cfg.norm_topk_prob, fixed, self.shared_id)
+        if trace is not None and self.tid2eid is None:
+            trace.setdefault(f"{tag}.experts", []).append(indices[:, : self.top_k].sort(dim=-1).values)
         experts = self.grouped[0].shape[0] + (self.shared_grouped is not None) if self.grouped is not None else len(self.experts[0])
         if self.grouped is not None and x.dtype == torch.bfloat16:
             from dsv4.ops.triton import moe_experts, moe_experts_dense
@@ -119,10 +118,10 @@ class MoE:
             dense = indices.numel() >= DENSE_EXPERT_PAIRS * experts and self.dense_fits
             grouped = moe_experts_dense if dense else moe_experts
             # with the shared expert in the stack the sum is the layer's output: rounded to the
-            # activation dtype in the kernel
+            # activation dtype in the kernel (V4: the routed sum rounded, then the shared expert added)
             out_dtype = x.dtype if self.shared_in_grouped else torch.float32
             routed = grouped(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41, out_dtype, fp8_act=cfg.fp8_activations,
-                             shared=self.shared_grouped)
+                             shared=self.shared_grouped, shared_after_rounding=self.shared_in_grouped and not self.v41)
         else:
             routed = moe_ops.experts_forward(x, weights, indices, *self._unstacked(), cfg.swiglu_limit, self.v41)
         if self.shared_in_grouped:

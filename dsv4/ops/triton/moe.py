@@ -553,10 +553,12 @@ def _down_fp8_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
+def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                      LAST_AFTER_ROUNDING: tl.constexpr):
     """out[t] = ((0 + y[t, s_0]) + y[t, s_1]) + ... in fp32 (stored in out's dtype), s_0, s_1,
     ... the token's slots in ascending expert id (ties in slot order): the order the reference
-    adds experts in.
+    adds experts in. LAST_AFTER_ROUNDING (V4's shared expert, the highest id): the sum before
+    the last slot is rounded to bf16 and the last added to it in bf16.
     GATHER: pair p = t * TOPK + s is row row_ptr[p] of y (else row p)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -571,6 +573,8 @@ def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K
         row = t * TOPK + slot
         if GATHER:
             row = tl.load(row_ptr + row)
+        if LAST_AFTER_ROUNDING and r == TOPK - 1:
+            total = total.to(tl.bfloat16).to(tl.float32)
         total += tl.load(y_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * D + cols, total.to(out_ptr.dtype.element_ty), mask=ok)  # fp32, or rounded once to bf16
 
@@ -629,16 +633,21 @@ def _check_out_dtype(name: str, out_dtype: torch.dtype) -> None:
         raise ValueError(f"{name}: out_dtype must be float32 or bfloat16, got {out_dtype}")
 
 
-def _slot_sums(y: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype, pair_rows: torch.Tensor | None = None) -> torch.Tensor:
+def _slot_sums(y: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype, pair_rows: torch.Tensor | None = None,
+               shared_after_rounding: bool = False) -> torch.Tensor:
     """[T, D] in out_dtype (fp32, or bf16: the fp32 sum rounded once): the sum of each token's k
     rows of y (bf16 [T * k, D] contiguous; row = token * k + slot, or pair_rows[token * k +
-    slot] when given) in ascending expert id (kernel 3)."""
+    slot] when given) in ascending expert id (kernel 3). `shared_after_rounding` (bf16 only):
+    the last (the shared expert's) added in bf16 to the others' sum rounded to bf16."""
+    if shared_after_rounding and out_dtype != torch.bfloat16:
+        raise ValueError(f"moe_experts: shared_after_rounding gives a bf16 sum, got out_dtype {out_dtype}")
     t, topk = ids.shape
     d = y.shape[1]
     out = torch.empty(t, d, dtype=out_dtype, device=y.device)
     _sum_slots_kernel[(t, triton.cdiv(d, 1024))](
         y, ids, ids if pair_rows is None else pair_rows, out, d,
-        TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, GATHER=pair_rows is not None, num_warps=4,
+        TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, GATHER=pair_rows is not None,
+        LAST_AFTER_ROUNDING=shared_after_rounding, num_warps=4,
     )
     return out
 
@@ -691,7 +700,8 @@ def _check_experts(name: str, x: torch.Tensor, w13: torch.Tensor, w13_scale: tor
 
 def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                       w2: torch.Tensor, w2_scale: torch.Tensor, limit: float, weight_before_down: bool,
-                      out_dtype: torch.dtype = torch.float32, fp8_act: bool = False, shared: tuple | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.float32, fp8_act: bool = False, shared: tuple | None = None,
+                      shared_after_rounding: bool = False) -> torch.Tensor:
     """`moe_experts` for compute-bound loads (prefill): the same arguments, semantics and
     result, by bf16 grouped GEMMs (`torch._grouped_mm`, CUTLASS on sm_90: 87% of the bf16
     peak at 8K tokens on 65 experts, device run 2) over the experts dequantised exactly to
@@ -743,7 +753,7 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     # back to pair order first was an extra [pairs, D] write and read: 1.3 ms of a layer's
     # MoE at 8K tokens, device profile of the fourth session)
     pair_rows = torch.empty_like(order).scatter_(0, order, torch.arange(n_pairs, device=x.device))
-    return _slot_sums(down, topk_ids.contiguous(), out_dtype, pair_rows)
+    return _slot_sums(down, topk_ids.contiguous(), out_dtype, pair_rows, shared_after_rounding)
 
 
 def _dense_stack(w: torch.Tensor, scale: torch.Tensor, shared: tuple | None) -> torch.Tensor:
@@ -783,6 +793,7 @@ def moe_experts(
     out_dtype: torch.dtype = torch.float32,
     fp8_act: bool = False,
     shared: tuple | None = None,
+    shared_after_rounding: bool = False,
 ) -> torch.Tensor:
     """Routed experts of a flat batch -> fp32 [T, D] (see the module docstring), or with
     out_dtype bf16 that sum rounded once in the slot-sum kernel (V4.1's layer output: one
@@ -791,7 +802,8 @@ def moe_experts(
     `_down_fp8_kernel`; FP8 stacks only). Compact FP4 stacks (uint8, `quant.fp4_kernel_layout`)
     run the bf16 kernels' FP4 variant; their `shared` expert (FP8, expert id E, every token's
     last slot) a second pair of launches over the same buffers, so that the slot sum adds it
-    last as before."""
+    last as before. `shared_after_rounding` (V4, out_dtype bf16): the last slot, the shared
+    expert, is added in bf16 to the routed sum rounded to bf16 (`_slot_sums`)."""
     _check_out_dtype("moe_experts", out_dtype)
     t, topk = topk_ids.shape
     d, inter, fp4 = _check_experts("moe_experts", x, w13, w13_scale, w2, w2_scale, shared)
@@ -851,7 +863,7 @@ def moe_experts(
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PAIR_TILES=pair_tiles,
             **launch_options(dn),
         )
-        return _slot_sums(y, ids, out_dtype)
+        return _slot_sums(y, ids, out_dtype, shared_after_rounding=shared_after_rounding)
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     ptx = ptx_convert(x.device)
     x_fragment, act_fragment = d % FRAGMENT_BLOCK == 0, inter % FRAGMENT_BLOCK == 0
@@ -889,4 +901,4 @@ def moe_experts(
     launch(w13, w13_scale, w2, w2_scale, fp4, w13.shape[0], 0)
     if shared is not None:  # the shared expert's pairs: act rows = pair rows (LAST_SLOT tiles are token blocks)
         launch(*shared, False, 1, topk)
-    return _slot_sums(y, ids, out_dtype)
+    return _slot_sums(y, ids, out_dtype, shared_after_rounding=shared_after_rounding)
