@@ -211,7 +211,7 @@ def install(checker: Checker) -> None:
     same = lambda o, r, *a, **kw: 0.0 if torch.equal(o.long(), r.long()) else float("inf")
     c.wrap(t_indexer, "topk_ascending", indexer.topk_ascending, same)
     c.wrap(t_indexer, "pool_entries", indexer.pool_entries, same)
-    c.wrap(t_rowwise, "rms_norm", norm.rms_norm)
+    c.wrap(t_rowwise, "rms_norm", lambda x, w, eps, fp32: norm.rms_norm(x, w, eps, fp32) if w is not None else norm.head_norm(x, eps))
     c.wrap(t_rowwise, "rope_tables", rope.cos_sin, lambda o, r, *a: max(_rel(x, y) for x, y in zip(o, r)))
     c.wrap_inplace(t_rowwise, "apply_rope_", rope.apply_rope_)
     c.wrap(t_mhc, "hc_mixes", mhc.hc_mixes, lambda o, r, *a: max(_rel(x, y) for x, y in zip(o, r)))

@@ -2478,7 +2478,9 @@ def compile_targets() -> list[tuple]:
 
     norm = {"x_ptr": "*bf16:16", "w_ptr": "*bf16:16", "out_ptr": "*bf16:16", "stride_x": a, "stride_o": a, "N": a, "eps": f}
     for width in (512, 1280, 5120):
-        out.append((f"rms_norm D={width}", rowwise._rms_norm_kernel, norm, {"WEIGHT_IN_FP32": False, "BLOCK": triton_next_pow2(width)}, {"num_warps": 4 if width <= 2048 else 8}))
+        out.append((f"rms_norm D={width}", rowwise._rms_norm_kernel, norm, {"WEIGHT_IN_FP32": False, "BLOCK": triton_next_pow2(width), "WEIGHTED": True},
+                    {"num_warps": 4 if width <= 2048 else 8}))
+    out.append(("head_norm D=512 (V4's q heads)", rowwise._rms_norm_kernel, norm, {"WEIGHT_IN_FP32": False, "BLOCK": 512, "WEIGHTED": False}, {"num_warps": 4}))
     rope = {"x_ptr": "*bf16:16", "cos_ptr": "*bf16:16", "sin_ptr": "*bf16:16", "V": i, "M": i, "lead": a,
             "stride_xt": a, "stride_xm": a, "stride_c": a}
     for inverse in (False, True):

@@ -20,6 +20,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     return weight.to(x.dtype) * normed.to(x.dtype)
 
 
-def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 `rsqrt(mean(x^2) + eps)` over the last axis (the unweighted norm of mHC / engram)."""
-    return torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+def head_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """V4's unweighted RMS norm of each query head (the last axis): x times rsqrt(mean(x^2) +
+    eps), the scale rounded to x's dtype before the multiply (its reference's order, unlike
+    `rms_norm`). One Triton kernel on CUDA for bf16 instead of six launches."""
+    if on_triton(x) and x.dtype == torch.bfloat16:
+        from dsv4.ops.triton.rowwise import rms_norm as kernel
+
+        return kernel(x, None, eps, False)
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

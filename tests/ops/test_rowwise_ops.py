@@ -37,6 +37,19 @@ def test_rms_norm_matches_reference(shape, weight_in_fp32):
     assert torch.equal(rowwise.rms_norm(x[:1].to(DEVICE), w.to(DEVICE), 1e-6, weight_in_fp32), out[:1])
 
 
+def test_head_norm_matches_reference():
+    """V4's q heads: the unweighted norm whose scale is rounded to bf16 before the multiply
+    (so not `rms_norm` with unit weights, which rounds the product of the fp32 values once)."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(4, 3, 256, generator=g) * 3).bfloat16()
+    ref = norm.head_norm(x, 1e-6)
+    out = rowwise.rms_norm(x.to(DEVICE), None, 1e-6, False)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert _ulps(out, ref) <= 1  # the mean's summation order may move the last bit
+    assert not torch.equal(ref, norm.rms_norm(x, torch.ones(256), 1e-6, True))  # the rounding point shows
+    assert torch.equal(rowwise.rms_norm(x[:1].to(DEVICE), None, 1e-6, False), out[:1])
+
+
 @pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("shape,half", [((4, 3, 64), 8), ((6, 48), 16), ((2, 32), 16)])
 def test_rope_matches_reference(shape, half, inverse):

@@ -32,7 +32,7 @@ from dsv4.ops import compressor as compressor_ops
 from dsv4.ops import indexer as index_ops
 from dsv4.ops import kv as kvops
 from dsv4.ops.linear import Linear, grouped_linear, linear, linear_fp32, stack_rows
-from dsv4.ops.norm import rms_norm
+from dsv4.ops.norm import head_norm, rms_norm
 from dsv4.ops.rope import RopeTables, apply_rope, apply_rope_
 
 
@@ -525,7 +525,7 @@ class Attention:
         q_res = self.norm(self.wq_a(x), self.q_norm)
         q = self.wq_b(q_res).view(-1, h, hd)
         if not self.v41:  # V4: unweighted per-head RMS norm of q
-            q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + cfg.rms_norm_eps).to(dtype)
+            q = head_norm(q, cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.norm(self.wkv(x), self.kv_norm), cos, sin)
         ring = cache.ring[role.index]
@@ -612,7 +612,7 @@ class Attention:
             q, idx_q = self.wq_b(q_res), None
         q = q.view(-1, h, hd)
         if not self.v41:  # V4: unweighted per-head RMS norm of q
-            q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + cfg.rms_norm_eps).to(q.dtype)
+            q = head_norm(q, cfg.rms_norm_eps)
         q = apply_rope_(q, cos, sin)
         ring = cache.ring[role.index]
         kv = kvops.round_trip(ring, apply_rope_(kv, cos, sin), "window")  # QAT: FP8

@@ -18,25 +18,33 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, WEIGHT_IN_FP32: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, WEIGHT_IN_FP32: tl.constexpr, BLOCK: tl.constexpr,
+                     WEIGHTED: tl.constexpr):
     """out = weight * (x * rsqrt(mean(x^2) + eps)): V4.1 rounds the normalised value to the
-    activation dtype before the weight multiply (WEIGHT_IN_FP32 False), V4 multiplies in fp32."""
+    activation dtype before the weight multiply (WEIGHT_IN_FP32 False), V4 multiplies in fp32.
+    Not WEIGHTED (V4's q heads, `norm.head_norm`): x * rsqrt(...) with the scale rounded to the
+    activation dtype first."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    normed = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    if WEIGHT_IN_FP32:
+    rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    normed = h * rstd
+    if WEIGHTED:
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    if not WEIGHTED:
+        y = h * rstd.to(out_ptr.dtype.element_ty).to(tl.float32)
+    elif WEIGHT_IN_FP32:
         y = w.to(tl.float32) * normed
     else:
         y = w.to(out_ptr.dtype.element_ty).to(tl.float32) * normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+    """`ops.norm.rms_norm`, or with weight None `ops.norm.head_norm`, over x's last axis."""
     n = x.shape[-1]
-    if weight.shape != (n,):
+    if weight is not None and weight.shape != (n,):
         raise ValueError(f"rms_norm: weight must be [{n}], got {list(weight.shape)}")
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -44,8 +52,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), out.stride(0), n, float(eps),
-                                          WEIGHT_IN_FP32=weight_in_fp32, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2 if weight is None else weight, out, x2.stride(0), out.stride(0), n, float(eps),
+                                          WEIGHT_IN_FP32=weight_in_fp32, BLOCK=block, WEIGHTED=weight is not None,
+                                          num_warps=4 if block <= 2048 else 8)
     return out.view(x.shape)
 
 
