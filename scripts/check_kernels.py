@@ -2601,20 +2601,20 @@ def kv_store_compile_targets() -> list[tuple]:
         bf16 = {n: "*bf16" for n in ("kv_ptr", "gate_ptr", "tail_kv_ptr", "tail_gate_ptr", "prev_kv_ptr", "prev_gate_ptr")}
         types = comp if ratio > 1 else dict(comp, **bf16)
         consts = {"RATIO": ratio, "W": 512, "ROPE_PAIRS": 32, "PER_BLOCK": 256 // ratio, "BLOCK_T": compressor.BLOCK_T,
-                  "SLOTS_PER_ITER": compressor.slots_per_iteration(ratio), "V4": False, "OVERLAP": False, "FP4": True, "POOLED": False}
+                  "V4": False, "OVERLAP": False, "FP4": True, "POOLED": False}
         out.append((f"compressor ratio {ratio}", compressor._compress_kernel, types, consts, dict(options, num_warps=compressor.NUM_WARPS)))
     v4 = dict(comp, kv_ptr="*bf16", gate_ptr="*bf16", ape_ptr="*fp32", cache_ptr="*bf16", scales_ptr="*bf16")
     for label, ratio, width, overlap in (("CSA", 4, 512, True), ("CSA indexer keys", 4, 128, True), ("HCA", 128, 512, False)):
         n_slots = 2 * ratio if overlap else ratio
-        apart = n_slots >= compressor.APART_MIN_SLOTS  # (the wrapper's rule)
+        apart = n_slots > compressor.FUSED_MAX_SLOTS  # (the wrapper's rule)
         consts = {"RATIO": ratio, "W": width, "ROPE_PAIRS": 32, "PER_BLOCK": 256 // ratio, "BLOCK_T": compressor.V4_BLOCK_T,
-                  "SLOTS_PER_ITER": compressor.slots_per_iteration(n_slots), "V4": True, "OVERLAP": overlap, "FP4": False, "POOLED": apart}
+                  "V4": True, "OVERLAP": overlap, "FP4": False, "POOLED": apart}
         out.append((f"compressor V4 {label} ratio {ratio} W={width}", compressor._compress_kernel, v4, consts, dict(options, num_warps=compressor.V4_NUM_WARPS)))
         if apart:
             pool = {n: v4[n] for n in ("kv_ptr", "gate_ptr", "tail_kv_ptr", "tail_gate_ptr", "req_ptr", "pos_ptr", "start_ptr", "row0_ptr", "slot_ptr",
                                        "pooled_ptr", "R", "stride_kv", "stride_tail_s", "stride_tail_j", "ape_ptr", "prev_kv_ptr", "prev_gate_ptr",
                                        "stride_prev_s", "stride_prev_j", "stride_ape")}
-            consts = {"RATIO": ratio, "W": width, "PAIRS": min(compressor.APART_PAIRS, width // 2), "SLOTS_PER_ITER": consts["SLOTS_PER_ITER"],
+            consts = {"RATIO": ratio, "W": width, "PAIRS": min(compressor.APART_TILE // n_slots, width // 2),
                       "V4": True, "OVERLAP": overlap}
             out.append((f"compressor V4 {label} pooling apart", compressor._pool_kernel, pool, consts, dict(options, num_warps=4)))
     state = {n: "*i64" for n in ("start_ptr", "count_ptr", "slot_ptr")}

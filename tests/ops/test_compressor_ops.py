@@ -180,15 +180,15 @@ def _expected_state(args, v4, ratio):
     return prev_kv, prev_gate
 
 
-@pytest.mark.parametrize("ratio, overlap, block_size, apart_pairs", [(4, True, 8, None), (128, False, 256, None), (128, False, 256, 2)],
+@pytest.mark.parametrize("ratio, overlap, block_size, apart_tile", [(4, True, 8, None), (128, False, 256, None), (128, False, 256, 256)],
                          ids=["csa", "hca", "hca-4-slices"])
-def test_compress_entries_kernel_matches_reference_v4(ratio, overlap, block_size, apart_pairs, monkeypatch):
+def test_compress_entries_kernel_matches_reference_v4(ratio, overlap, block_size, apart_tile, monkeypatch):
     """V4's compressors: the position bias, bf16 pooling, the fp32-weight norm, the bf16 cache;
     CSA's overlapping windows and their state (read from it, then its update). HCA's groups
     pool in a launch of their own (`_pool_kernel`), its rows' channels in one slice or four."""
-    assert (ratio >= tcompressor.APART_MIN_SLOTS) == (ratio == 128)
-    if apart_pairs is not None:
-        monkeypatch.setattr(tcompressor, "APART_PAIRS", apart_pairs)
+    assert (2 * ratio if overlap else ratio) > tcompressor.FUSED_MAX_SLOTS or ratio == 4
+    if apart_tile is not None:  # 2 of the 8 pairs a program
+        monkeypatch.setattr(tcompressor, "APART_TILE", apart_tile)
     requests = V4_CSA if overlap else V4_HCA
     args, v4 = _v4_case(ratio, requests, overlap, seed=ratio, block_size=block_size)
     before = args[-1].values.clone()

@@ -15,13 +15,11 @@ at fp32 rounding level); V4 rounds the gate's softmax weights and each weighted 
 norm's sum of squares runs in another order than the row-wise kernel's (fp32 rounding level,
 as that kernel is to torch's).
 
-Large groups (V4 HCA's 128 slots; APART_MIN_SLOTS) pool in a launch of their own first, a
-program per row and slice of channel pairs (`_pool_kernel`; softmax and sum are per channel, so
-the bits are the fused kernel's), and the entry kernel reads the pooled rows.
-
-The slots are visited in a loop over tiles of SLOT_TILE slots (one load each, independent loads
-in flight: no 3 x 128 unrolled slot bodies at V4's ratio 128). V4's rows that complete no group
-load nothing and get zeros, and a program without such a row skips the loops. The kernel only
+A row's group is one tile of slots, each input loaded once (max, exp-sum and weighted sum over
+it in registers). Groups of more than FUSED_MAX_SLOTS slots (V4 HCA's 128) pool in a launch
+of their own first, a program per row and slice of channel pairs (`_pool_kernel`; softmax and
+sum are per channel, so the split changes no bit), and the entry kernel reads the pooled rows.
+V4's rows that complete no group load nothing and get zeros. The kernel only
 reads the overlap state: the op updates it afterwards (`ops.compressor.update_overlap_state`,
 on CUDA `overlap_state`: one program per request), as a row's read of it would otherwise race
 with another row's write.
@@ -39,18 +37,15 @@ from dsv4.ops.triton.kv import _e2m1_code, _fp4_quantise, _load_fp32
 
 _CKV_BLOCK = tl.constexpr(CKV_BLOCK)  # the kernel's view of it (jit code reads constexpr globals only)
 BLOCK_T, NUM_WARPS = 2, 4  # V4.1: rows per program (2 x 512 channels), warps
-# V4: a program per row (only 1 row in `ratio` pools: a second one would idle through the slot
-# loops), 8 warps over its [slots, 256-pair] tiles: ~128 registers at 512 channels for sm_90,
-# where 2 rows or 4 warps take 210-255 and spill
+# V4: a program per row (only 1 row in `ratio` pools: a second one would idle), 8 warps over
+# its [slots, 256-pair] tiles
 V4_BLOCK_T, V4_NUM_WARPS = 1, 8
-SLOT_TILE = 16  # pooling slots per loop iteration (one tile): V4.1's 2 and V4 CSA's 8 in one, V4 HCA's 128 in 8
-# Groups of at least APART_MIN_SLOTS slots (V4 HCA's 128) pool in a launch of their own
-# (`_pool_kernel`), APART_PAIRS channel pairs a program: one program per row ran a decode row's
-# 128-slot softmax through 3 passes of serial loads and ~25-instruction expf's on one SM. The
-# entry kernel then reads the pooled rows (POOLED) for the norm, RoPE and store.
-APART_MIN_SLOTS = 32
-APART_PAIRS = 32
-
+# Groups of more than FUSED_MAX_SLOTS slots (V4 HCA's 128) pool apart (`_pool_kernel`), in
+# tiles of at most APART_TILE (slot, pair) elements: a program per row ran a decode row's
+# 128-slot softmax on one SM through 3 passes of serial slot-tile loads (27 us a call, H100
+# profile S18-1); V4.1's 2 slots and V4 CSA's 8 stay inside the entry kernel.
+FUSED_MAX_SLOTS = 16
+APART_TILE = 2048
 
 @triton.jit
 def _slots(step_ptr, tail_ptr, state_ptr, ape_ptr, k, g0, first, row0, slot, pooling, p, R, stride_row, stride_tail_s, stride_tail_j,
@@ -126,51 +121,37 @@ def _weighted_norm(x, rstd, weight, FP32_WEIGHT: tl.constexpr):
 @triton.jit
 def _pool(kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, ape_ptr, prev_kv_ptr, prev_gate_ptr, start_ptr, row0_ptr, slot_ptr,
           req, pos, ok, p, R, stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape,
-          RATIO: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr, SLOTS_PER_ITER: tl.constexpr,
-          V4: tl.constexpr, OVERLAP: tl.constexpr):
+          RATIO: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr, V4: tl.constexpr, OVERLAP: tl.constexpr):
     """The pooled entry of each row's group over channel pairs p [1, PAIRS]: (even, odd) fp32
-    [BLOCK_T, PAIRS] of bf16 values. Softmax and sum run per channel, so any split of the pairs
-    gives the same bits. V4: only the rows that complete a group pool, the others get zeros."""
+    [BLOCK_T, PAIRS] of bf16 values. The group's slots are one tile, each input loaded once;
+    softmax and sum run per channel, so any split of the pairs gives the same bits. V4: only
+    the rows that complete a group pool, the others get zeros (a program without one loads
+    nothing)."""
     N_SLOTS: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
     first = tl.load(start_ptr + req, mask=ok, other=0).to(tl.int64)
     row0 = tl.load(row0_ptr + req, mask=ok, other=0).to(tl.int64)
     slot = tl.load(slot_ptr + req, mask=ok, other=0).to(tl.int64)
     g0 = pos - pos % RATIO
     pooling = ok
-    n_iter = N_SLOTS // SLOTS_PER_ITER
     if V4:  # only the rows that complete a group pool (V4's callers use no other row's entry)
         pooling = ok & (pos % RATIO == RATIO - 1)
-        n_iter = tl.max(pooling.to(tl.int32), axis=0) * n_iter
-    pooling3 = pooling[:, None, None]
-    p3 = p[:, None, :]
-    # pass 1: the gate's max over the slots, per channel
-    m_e = tl.full((BLOCK_T, PAIRS), float("-inf"), dtype=tl.float32)
-    m_o = tl.full((BLOCK_T, PAIRS), float("-inf"), dtype=tl.float32)
-    for it in range(0, n_iter):
-        k = it * SLOTS_PER_ITER + tl.arange(0, SLOTS_PER_ITER)
-        ge, go = _slots(gate_ptr, tail_gate_ptr, prev_gate_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
-                        stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, V4)
-        m_e = tl.maximum(m_e, tl.max(ge, axis=1))
-        m_o = tl.maximum(m_o, tl.max(go, axis=1))
-    # pass 2: exp and their sum; pass 3: the weighted sum (softmax = exp / sum, then * kv)
-    s_e = tl.zeros((BLOCK_T, PAIRS), dtype=tl.float32)
-    s_o = tl.zeros((BLOCK_T, PAIRS), dtype=tl.float32)
-    for it in range(0, n_iter):
-        k = it * SLOTS_PER_ITER + tl.arange(0, SLOTS_PER_ITER)
-        ge, go = _slots(gate_ptr, tail_gate_ptr, prev_gate_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
-                        stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, V4)
-        s_e += tl.sum(libdevice.exp(ge - m_e[:, None, :]), axis=1)
-        s_o += tl.sum(libdevice.exp(go - m_o[:, None, :]), axis=1)
     le = tl.zeros((BLOCK_T, PAIRS), dtype=tl.float32)
     lo = tl.zeros((BLOCK_T, PAIRS), dtype=tl.float32)
-    for it in range(0, n_iter):
-        k = it * SLOTS_PER_ITER + tl.arange(0, SLOTS_PER_ITER)
+    if tl.max(pooling.to(tl.int32), axis=0) > 0:
+        k = tl.arange(0, N_SLOTS)
+        pooling3 = pooling[:, None, None]
+        p3 = p[:, None, :]
         ge, go = _slots(gate_ptr, tail_gate_ptr, prev_gate_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
                         stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, V4)
         ke, ko = _slots(kv_ptr, tail_kv_ptr, prev_kv_ptr, ape_ptr, k, g0, first, row0, slot, pooling3, p3, R,
                         stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape, RATIO, W, OVERLAP, False)
-        le += tl.sum(_pooled_term(ke, ge, m_e[:, None, :], s_e[:, None, :], V4), axis=1)
-        lo += tl.sum(_pooled_term(ko, go, m_o[:, None, :], s_o[:, None, :], V4), axis=1)
+        # softmax over the slots per channel (max, exp and their sum), then the weighted sum
+        m_e = tl.max(ge, axis=1)[:, None, :]
+        m_o = tl.max(go, axis=1)[:, None, :]
+        s_e = tl.sum(libdevice.exp(ge - m_e), axis=1)[:, None, :]
+        s_o = tl.sum(libdevice.exp(go - m_o), axis=1)[:, None, :]
+        le += tl.sum(_pooled_term(ke, ge, m_e, s_e, V4), axis=1)
+        lo += tl.sum(_pooled_term(ko, go, m_o, s_o, V4), axis=1)
     return le.to(tl.bfloat16).to(tl.float32), lo.to(tl.bfloat16).to(tl.float32)
 
 
@@ -178,7 +159,7 @@ def _pool(kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, ape_ptr, prev_kv_ptr, pr
 def _pool_kernel(
     kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, req_ptr, pos_ptr, start_ptr, row0_ptr, slot_ptr, pooled_ptr,
     R, stride_kv, stride_tail_s, stride_tail_j, ape_ptr, prev_kv_ptr, prev_gate_ptr, stride_prev_s, stride_prev_j, stride_ape,
-    RATIO: tl.constexpr, W: tl.constexpr, PAIRS: tl.constexpr, SLOTS_PER_ITER: tl.constexpr, V4: tl.constexpr, OVERLAP: tl.constexpr,
+    RATIO: tl.constexpr, W: tl.constexpr, PAIRS: tl.constexpr, V4: tl.constexpr, OVERLAP: tl.constexpr,
 ):
     """Program (row, PAIRS channel pairs): `_pool` of that slice to `pooled` [R, W] bf16 (the
     rows that pool; `_compress_kernel` POOLED takes the others as zeros)."""
@@ -189,7 +170,7 @@ def _pool_kernel(
     p = tl.program_id(1) * PAIRS + tl.arange(0, PAIRS)[None, :]
     le, lo = _pool(kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, ape_ptr, prev_kv_ptr, prev_gate_ptr, start_ptr, row0_ptr, slot_ptr,
                    req, pos, ok, p, R, stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape,
-                   RATIO, W, 1, PAIRS, SLOTS_PER_ITER, V4, OVERLAP)
+                   RATIO, W, 1, PAIRS, V4, OVERLAP)
     pooling = ok & (pos % RATIO == RATIO - 1) if V4 else ok
     dst = pooled_ptr + rows[:, None] * W + 2 * p
     tl.store(dst, le.to(tl.bfloat16), mask=pooling[:, None])
@@ -203,7 +184,7 @@ def _compress_kernel(
     R, eps, n_cols, S, stride_kv, stride_tail_s, stride_tail_j, stride_bt, stride_cos, stride_c0, stride_c1, stride_s0, stride_s1,
     ape_ptr, prev_kv_ptr, prev_gate_ptr, stride_prev_s, stride_prev_j, stride_ape,
     RATIO: tl.constexpr, W: tl.constexpr, ROPE_PAIRS: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    SLOTS_PER_ITER: tl.constexpr, V4: tl.constexpr, OVERLAP: tl.constexpr, FP4: tl.constexpr, POOLED: tl.constexpr, pooled_ptr,
+    V4: tl.constexpr, OVERLAP: tl.constexpr, FP4: tl.constexpr, POOLED: tl.constexpr, pooled_ptr,
 ):
     """W: the entry width. V4: V4's pooling (position bias, bf16 weights and terms, the rows
     that complete no group skipped) and fp32-weight norm; OVERLAP: its overlapping windows
@@ -228,7 +209,7 @@ def _compress_kernel(
     else:
         le, lo = _pool(kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, ape_ptr, prev_kv_ptr, prev_gate_ptr, start_ptr, row0_ptr, slot_ptr,
                        req, pos, ok, p, R, stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape,
-                       RATIO, W, BLOCK_T, HALF, SLOTS_PER_ITER, V4, OVERLAP)
+                       RATIO, W, BLOCK_T, HALF, V4, OVERLAP)
     rstd = tl.math.rsqrt((tl.sum(le * le, axis=1) + tl.sum(lo * lo, axis=1)) / W + eps)[:, None]
     ye = _weighted_norm(le, rstd, tl.load(norm_ptr + 2 * p).to(tl.float32), V4)
     yo = _weighted_norm(lo, rstd, tl.load(norm_ptr + 2 * p + 1).to(tl.float32), V4)
@@ -276,15 +257,6 @@ def _compress_kernel(
         tl.store(dst + 1, xo.to(cache_ptr.dtype.element_ty), mask=emit[:, None])
 
 
-def slots_per_iteration(n_slots: int) -> int:
-    """The slot tile of `n_slots` pooling slots (the kernel's SLOTS_PER_ITER): a power of two
-    dividing them, all of them up to SLOT_TILE."""
-    tile = 1
-    while tile < SLOT_TILE and n_slots % (2 * tile) == 0:
-        tile *= 2
-    return tile
-
-
 def compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, write, slots, emit_from, block_tables,
                      norm_weight, eps, cos, sin, ckv: QTensor, ratio: int, block_size: int, dtype: torch.dtype, *, v4=None):
     """See `dsv4.ops.compressor.compress_entries` (arguments checked there; bf16 activations):
@@ -322,15 +294,14 @@ def compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, 
     scales = ckv.scales if ckv.quantized else cache  # not written unquantised
     n_slots = 2 * ratio if overlap else ratio
     v4_args = (ape, prev_kv, prev_gate, prev_kv.stride(0), prev_kv.stride(1), ape.stride(0))
-    apart = pooled and n_slots >= APART_MIN_SLOTS
+    apart = pooled and n_slots > FUSED_MAX_SLOTS
     pooled_rows = out  # not read unless apart
     if apart:
         pooled_rows = torch.empty(n_rows, width, dtype=torch.bfloat16, device=kv.device)
-        pairs = min(APART_PAIRS, pairs)
+        pairs = max(1, min(pairs, APART_TILE // n_slots))
         _pool_kernel[(n_rows, width // 2 // pairs)](
             kv, gate, tail_kv, tail_gate, req, positions, start, row0, slots, pooled_rows, n_rows, kv.stride(0), tail_kv.stride(0), tail_kv.stride(1), *v4_args,
-            RATIO=ratio, W=width, PAIRS=pairs, SLOTS_PER_ITER=slots_per_iteration(n_slots), V4=v4 is not None, OVERLAP=overlap,
-            num_warps=4, enable_fp_fusion=False,
+            RATIO=ratio, W=width, PAIRS=pairs, V4=v4 is not None, OVERLAP=overlap, num_warps=4, enable_fp_fusion=False,
         )
     block_t, num_warps = (BLOCK_T, NUM_WARPS) if v4 is None else (V4_BLOCK_T, V4_NUM_WARPS)
     _compress_kernel[(triton.cdiv(n_rows, block_t),)](
@@ -340,7 +311,7 @@ def compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, 
         cache.stride(0), cache.stride(1), scales.stride(0), scales.stride(1),
         *v4_args,
         RATIO=ratio, W=width, ROPE_PAIRS=cos.shape[1], PER_BLOCK=block_size // ratio, BLOCK_T=block_t,
-        SLOTS_PER_ITER=slots_per_iteration(n_slots), V4=v4 is not None, OVERLAP=overlap, FP4=ckv.quantized,
+        V4=v4 is not None, OVERLAP=overlap, FP4=ckv.quantized,
         POOLED=apart, pooled_ptr=pooled_rows, num_warps=num_warps, enable_fp_fusion=False,
     )
     return out, where, emit
