@@ -93,22 +93,27 @@ class Carry:
         return self if keep is None else self.per_row(lambda t: t[keep])
 
 
-# V4.1's work that is read later than it can start, on side streams on the fast path (`Aside`;
-# False: in place, for A/B runs): the mHC mixes, and the engram values
+# Work that is read later than it can start, on side streams on the fast path (`Aside`;
+# False: in place, for A/B runs): V4.1's mHC mixes and engram values, and both models'
+# compressors
 MIXES_ASIDE = True
 ENGRAM_ASIDE = True
+COMPRESSOR_ASIDE = True
 
 
 class Aside:
     """Work whose inputs are ready well before its output is read runs on a second CUDA
     stream on the fast path, beside the main stream's kernels (at decode most of them are
-    latency bound and leave HBM and SMs idle). Two uses (one Aside each, so neither waits for
-    the other's queue): V4.1's mixes — a site collapses its input with the previous site's
+    latency bound and leave HBM and SMs idle). Three uses (one Aside each, so none waits for
+    another's queue): V4.1's mixes — a site collapses its input with the previous site's
     `pre`, so the site's own mixes (an fp32 GEMM of 80 small programs and a one-warp
-    Sinkhorn epilogue, ~14 us a site, all latency) are first read after its sublayer; and the
+    Sinkhorn epilogue, ~14 us a site, all latency) are first read after its sublayer; the
     engram values (table lookup + the 157 MB wkv projection), which need only the step's
-    hashes but are read at their layer. Elsewhere (CPU, the reference path; for V4, whose
-    collapse reads the site's own `pre`) the work runs in place.
+    hashes but are read at their layer; and a layer's compressor (its projection GEMM, the
+    pooling, the cache and tail stores), whose entries are first read by the layer's indexer or
+    attention, after the query projections. Elsewhere (CPU, the reference path; V4's mixes,
+    its collapse reads the site's own `pre`) the work runs in place. The breakdown's sections
+    then time the main stream's part; a wait at a join falls in the section that joins.
 
     `start` forks: the side stream waits for the main stream's work so far, then the work is
     issued on it; `join` makes the main stream wait for all of it. Memory needs no
@@ -164,6 +169,7 @@ class Model:
         side = fast_path and self.v41 and self.device.type == "cuda"
         self.aside = Aside(self.device, MIXES_ASIDE and side)  # the mixes
         self.engram_aside = Aside(self.device, ENGRAM_ASIDE and side)
+        self.compressor_aside = Aside(self.device, COMPRESSOR_ASIDE and fast_path and self.device.type == "cuda")
         self.rope = RopeTables(cfg, dtype, self.device)
         self.embed = weights["embed.weight"]
         self.head = weights["head.weight"]
@@ -208,6 +214,7 @@ class Model:
         step.forget_derived()  # derived tensors are made inside this forward (and its graph)
         self.aside.forget()
         self.engram_aside.forget()
+        self.compressor_aside.forget()
         rows = step.enc
         return self._encode(step.input_ids, rows.req, rows.local, rows.positions, step.prev_tokens, _FastRows(step, cache), None, None)
 
@@ -218,6 +225,7 @@ class Model:
         step.dec.memo.clear()
         self.aside.forget()  # (the encoder piece joined its own)
         self.engram_aside.forget()
+        self.compressor_aside.forget()
         rows = _FastRows(step, cache)
         shared = dict(carry.shared)  # the split replaces the selections by the kept rows': not in the caller's carry
         keep = rows.split(shared) if self.split_at < len(self.blocks) else None
@@ -251,6 +259,7 @@ class Model:
                 self._block_out(block, carry, rows, trace)
         self.aside.join()  # the split layer's attention mixes (the decoder piece reads them)
         self.engram_aside.join()  # (each value was read at its layer: a no-op, so no capture ends with side work unjoined)
+        self.compressor_aside.join()  # the split layer's (its attention runs in the decoder piece)
         return carry
 
     def _engram_hashes(self, hashes: torch.Tensor, block: Block) -> torch.Tensor:
@@ -291,14 +300,14 @@ class Model:
             # V4.1: first read after the attention (`MixesAside`; V4 runs them in place)
             carry.a_pre, carry.a_post, carry.a_comb = self.aside.start(block.mixes, carry.streams, "attn")
             carry.h = block.collapse_norm(carry.streams, carry.pre if self.v41 else carry.a_pre, block.attn_norm)
-        if role.owns_compressor:
+        if role.owns_compressor:  # joined before the layer's indexer or attention reads the entries (`Aside`)
             with section("compressor"):
-                rows.compress(block.attn, carry.h)
+                self.compressor_aside.start(rows.compress, block.attn, carry.h)
 
     def _block_out(self, block: Block, carry: Carry, rows, trace) -> None:
         """The rest of a layer: attention, the FFN site, MoE."""
         with section("attention"):
-            y = rows.attend(block.attn, carry.h, carry.shared)
+            y = rows.attend(block.attn, carry.h, carry.shared, self.compressor_aside.join)
         with section("mhc"):
             self.aside.join()
             streams = hc_expand(y, carry.residual, carry.a_post, carry.a_comb, fp32=self.v41)
@@ -329,7 +338,8 @@ class _ReferenceRows:
     def compress(self, attn: Attention, h: torch.Tensor) -> None:
         attn.compress(h, self.segs, self.batch, self.cache)
 
-    def attend(self, attn: Attention, h: torch.Tensor, shared: dict) -> torch.Tensor:
+    def attend(self, attn: Attention, h: torch.Tensor, shared: dict, compressed_ready) -> torch.Tensor:
+        compressed_ready()
         return attn(h, self.segs, self.batch, self.cache, shared)
 
     def split(self, shared: dict) -> torch.Tensor:
@@ -372,8 +382,8 @@ class _FastRows:
     def compress(self, attn: Attention, h: torch.Tensor) -> None:
         attn.compress_fast(h, self.rows, self.step, self.cache)
 
-    def attend(self, attn: Attention, h: torch.Tensor, shared: dict) -> torch.Tensor:
-        return attn.forward_fast(h, self.rows, self.step, self.cache, shared)
+    def attend(self, attn: Attention, h: torch.Tensor, shared: dict, compressed_ready) -> torch.Tensor:
+        return attn.forward_fast(h, self.rows, self.step, self.cache, shared, compressed_ready)
 
     def split(self, shared: dict) -> torch.Tensor | None:
         self.rows = self.step.dec

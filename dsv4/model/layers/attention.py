@@ -601,7 +601,9 @@ class Attention:
             blocks = index_ops.block_max(scores, visible, cbs)
             shared["cand"] = index_ops.topk_ascending(blocks, (visible + cbs - 1) // cbs, min(cfg.candidate_topk_blocks, blocks.shape[1]))
 
-    def forward_fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> torch.Tensor:
+    def forward_fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict, compressed_ready=lambda: None) -> torch.Tensor:
+        """`compressed_ready()`: called before the first read of the compressed cache (the
+        layer's compressor may still run on a side stream while the queries are projected)."""
         cfg, role = self.cfg, self.role
         h, hd = cfg.num_heads, cfg.head_dim
         cos, sin = rows.derived(("rope", role.rope), lambda: self.rope.cos_sin(rows.positions, role.rope))
@@ -616,6 +618,7 @@ class Attention:
         q = apply_rope_(q, cos, sin)
         ring = cache.ring[role.index]
         kv = kvops.round_trip(ring, apply_rope_(kv, cos, sin), "window")  # QAT: FP8
+        compressed_ready()
         if role.runs_indexer:
             with section("indexer"):
                 self.select_fast(x, idx_q, rows, step, cache, shared)
