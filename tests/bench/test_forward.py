@@ -422,3 +422,17 @@ def test_bench_forward_reports_a_failing_case_and_runs_the_rest(tmp_path, capsys
     assert bad["fast"]["error"] == "failed: RuntimeError: boom at three tokens"
     assert good["fast"]["median_ms"] > 0
     assert "boom at three tokens" in capsys.readouterr().out
+
+
+def test_bench_forward_v4_fast_path_runs_every_case_kind(tmp_path):
+    """V4-Flash's fast path (its torch code on CPU) through the case kinds a run may ask for:
+    verify rows, a decode batch beside a chunked prefill, decode at 1M tokens of context
+    (HCA's widest tables), a prefix hit, one token at position 0 — each a finite step."""
+    out = tmp_path / "v4fast.json"
+    cases = ["v=4*3@3000:2", "mix=8*1@1600,100@800c", "k=1*1@1M", "hit=40@500", "h=1*1@1"]
+    argv = ["--config", "tiny-v4", "--device", "cpu", "--fast-path", "--warmup", "0", "--iters", "1", "--no-breakdown", "--no-baseline",
+            "--json", str(out), *cases]
+    assert _run(argv) == 0
+    got = json.loads(out.read_text())["cases"]
+    assert [c["case"] for c in got] == cases
+    assert all("error" not in c["fast"] and c["fast"]["median_ms"] > 0 for c in got), got
