@@ -8,9 +8,9 @@ pre-RoPE entry out, RoPE of the trailing pairs, and the store of the rows that c
 group: FP4 (`kv._fp4_quantise`, E4M3 scale per 16 channels; V4.1) or the cache's own dtype
 (V4's unquantised bf16). The roundings are the reference's, step by step: exp as CUDA's expf
 (libdevice; Triton's own exp is an approximation), correctly rounded divisions, every product
-rounded on its own (the launch disables fp contraction), sums over the slots a tile of slots at
-a time, tiles in order (two slots: one addition, as torch's; over more, both orders may differ
-at fp32 rounding level); V4 rounds the gate's softmax weights and each weighted term to bf16
+rounded on its own (the launch disables fp contraction), sums over the slots as one reduction
+(two slots: one addition, as torch's; over more, both orders may differ at fp32 rounding
+level); V4 rounds the gate's softmax weights and each weighted term to bf16
 (its reference pools in the activation dtype) and multiplies the norm weight in fp32. The
 norm's sum of squares runs in another order than the row-wise kernel's (fp32 rounding level,
 as that kernel is to torch's).
@@ -46,6 +46,7 @@ V4_BLOCK_T, V4_NUM_WARPS = 1, 8
 # profile S18-1); V4.1's 2 slots and V4 CSA's 8 stay inside the entry kernel.
 FUSED_MAX_SLOTS = 16
 APART_TILE = 2048
+
 
 @triton.jit
 def _slots(step_ptr, tail_ptr, state_ptr, ape_ptr, k, g0, first, row0, slot, pooling, p, R, stride_row, stride_tail_s, stride_tail_j,
