@@ -42,7 +42,7 @@ BLOCK_T, NUM_WARPS = 2, 4  # V4.1: rows per program (2 x 512 channels), warps
 V4_BLOCK_T, V4_NUM_WARPS = 1, 8
 # Groups of more than FUSED_MAX_SLOTS slots (V4 HCA's 128) pool apart (`_pool_kernel`), in
 # tiles of at most APART_TILE (slot, pair) elements: a program per row ran a decode row's
-# 128-slot softmax on one SM through 3 passes of serial slot-tile loads (27 us a call, H100
+# 128-slot softmax on one SM through 3 passes of serial slot-tile loads (29 us a call, H100
 # profile S18-1); V4.1's 2 slots and V4 CSA's 8 stay inside the entry kernel.
 FUSED_MAX_SLOTS = 16
 APART_TILE = 2048
