@@ -48,6 +48,12 @@ def test_head_norm_matches_reference():
     assert _ulps(out, ref) <= 1  # the mean's summation order may move the last bit
     assert not torch.equal(ref, norm.rms_norm(x, torch.ones(256), 1e-6, True))  # the rounding point shows
     assert torch.equal(rowwise.rms_norm(x[:1].to(DEVICE), None, 1e-6, False), out[:1])
+    # eighths up to 8: every square and sum is exact in fp32 in any order, so the kernel must
+    # give the reference's bits, which a product rounded once (no bf16 scale) does not
+    exact = (torch.randint(-64, 65, (4, 3, 256), generator=g).float() / 8).bfloat16()
+    want = norm.head_norm(exact, 1e-6)
+    assert torch.equal(rowwise.rms_norm(exact.to(DEVICE), None, 1e-6, False).cpu(), want)
+    assert not torch.equal(want, norm.rms_norm(exact, torch.ones(256), 1e-6, True))
 
 
 @pytest.mark.parametrize("inverse", [False, True])
