@@ -80,6 +80,45 @@ def test_greedy_matches_golden_through_padded_decode(fast, ref):
     assert fast.cache_stats()["blocks_used"] == 0
 
 
+class _DeferredAside:
+    """A compressor `Aside` whose work runs only when it is joined: any read of the compressed
+    entries before the join sees the cache without them (on CUDA the side stream may still be
+    running there)."""
+
+    def __init__(self):
+        self.pending = []
+
+    def start(self, work, *args):
+        self.pending.append((work, args))
+
+    def join(self):
+        while self.pending:
+            work, args = self.pending.pop(0)
+            work(*args)
+
+    def forget(self):
+        assert not self.pending, "a piece began with compressor work never joined"
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_compressor_work_is_joined_before_its_entries_are_read(arch):
+    """Both models' compressors run on a side stream on CUDA (`model.Aside`), joined before the
+    layer's indexer or attention reads the entries and at the end of the encoder piece. Here
+    the work is deferred to its join: logits and greedy tokens stay bit for bit the in-place
+    ones only if every join comes before the first read (prefill, chunked prefill, decode)."""
+    folder = SHARED / "golden" / f"{arch}-tiny-a"
+    data = golden_data(folder)
+    prompts = [data["prompt3.input_ids"].tolist(), data["prompt4.input_ids"].tolist()]
+    runs = []
+    for deferred in (False, True):
+        llm = golden_llm(folder, True, max_num_batched_tokens=13)
+        if deferred:
+            llm.engine.model.compressor_aside = _DeferredAside()
+        runs.append((llm.prompt_logits(prompts), [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]))
+    (logits, tokens), (deferred_logits, deferred_tokens) = runs
+    assert all(torch.equal(a, b) for a, b in zip(logits, deferred_logits)) and tokens == deferred_tokens
+
+
 @pytest.mark.parametrize("bounded", [False, True])
 def test_chunked_prefill_and_prefix_hits_match_the_reference_path(ref, bounded):
     """13-token chunks (the compressor's groups and tails cross chunk edges), then the same
