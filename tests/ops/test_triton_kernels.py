@@ -408,7 +408,11 @@ def test_fp8_linear_w8a16_stays_in_bounds(monkeypatch, m, n, k, split):
     ref = x.double() @ quant.dequant_fp8_block(w, s, 32).double().T
     y = fp8_gemm.fp8_linear_w8a16(_guarded(x, float("nan")), _guarded(w, float("nan")), _guarded(s, 255), 32)
     chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, 32, y.device))
-    out, part = (inner for inner, _ in poisoned.buffers)
+    # (from 17 rows a third buffer: x's copy in fragment order, poisoned and guarded alike)
+    out, part = (inner for inner, _ in poisoned.buffers[:2])
+    cfg = fp8_gemm.w8a16_config(m)
+    copied = fp8_gemm.w8a16_fragment(False, 32, k, cfg["BLOCK_K"]) and cfg["BLOCK_T"] > fp8_gemm.W8A16["XREG_MAX_T"]
+    assert len(poisoned.buffers) == 2 + copied
     assert chunks > 1 and out.data_ptr() == y.data_ptr() and (part.numel() > 0) == bool(split)
     poisoned.check_guards()
     assert not y.isnan().any() and _rel_err(y, ref) <= BF16_REL * 1.01
@@ -501,11 +505,23 @@ def test_fragment_order_has_one_permutation():
     out = torch.empty(1024, dtype=torch.int32, device=DEVICE)
     _fragment_maps_kernel[(1,)](out)
     held, back, held32, tile = out.view(4, 256).long().cpu()
-    x = torch.arange(256, dtype=torch.float32).view(1, 256)
-    assert torch.equal(fp8_gemm.fragment_order(x)[0].long(), held)
+    x = torch.arange(256, dtype=torch.bfloat16, device=DEVICE).view(1, 256)  # (exact in bf16)
+    assert torch.equal(fp8_gemm.fragment_order(x)[0].long().cpu(), held)
     assert torch.equal(tile, held)
     assert torch.equal(back, torch.arange(256))
     assert torch.equal(held32.view(2, 128).sort(1).values, torch.arange(256).view(2, 128))
+
+
+@pytest.mark.parametrize("t, k, strided", [(1, 64, False), (7, 64 * 37, False), (5, 1280, True)])
+def test_fragment_order_kernel_is_the_permuted_copy(t, k, strided):
+    """The copy kernel against the permuted view it stands for, on random bf16 rows: row and
+    block counts that leave partial tiles, and a strided x (a column slice, read through its row stride)."""
+    wide = torch.randn(t, k + (64 if strided else 0), generator=_gen(t + k)).bfloat16().to(DEVICE)
+    x = wide[:, 64:] if strided else wide
+    want = x.cpu().view(t, k // 64, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(t, k)
+    assert torch.equal(fp8_gemm.fragment_order(x).cpu(), want)
+    with pytest.raises(ValueError, match="2-byte values"):
+        fp8_gemm.fragment_order(x.float())
 
 
 def _fp4_routed_case(seed: int, t: int, top_k: int, n_exp: int, d: int, inter: int):
