@@ -1208,6 +1208,7 @@ ATTN_SWEEP = [
     {"LOGIT_BLOCK_H": 64},
     {"LOGIT_BLOCK_H": 32},
     {"TILES_PER_PROGRAM": 1},
+    {"TILES_PER_PROGRAM": 2},  # the 64-token choice before whole waves were counted (192 programs)
     {"DSPLIT": 1},
     {"DSPLIT": 2},
     {"DSPLIT": 4},
@@ -1246,7 +1247,7 @@ def attention_spreads(cand: dict) -> set[tuple[int, int, bool]]:
         plans = [attention_plan(t, torch.device("cuda"), cfg) for t in ATTN_SWEEP_ROWS]
         return {(p["LOGIT_BLOCK_H"], p["DSPLIT"], p["tiles_per_program"] == 1) for p in plans}
     heads = attention.LOGIT_BLOCK_HS if cfg["LOGIT_BLOCK_H"] == "auto" else (cfg["LOGIT_BLOCK_H"],)
-    splits = attention.AUTO_DSPLITS if cfg["DSPLIT"] == "auto" else (cfg["DSPLIT"],)
+    splits = (*attention.AUTO_DSPLITS, *attention.WIDE_DSPLITS) if cfg["DSPLIT"] == "auto" else (cfg["DSPLIT"],)
     return {(b, d, False) for b in heads for d in splits}
 
 
@@ -2557,7 +2558,7 @@ def attention_compile_targets() -> list[tuple]:
             out.append((f"attention logits v4 BH={bh} per_block={per_block} top={top}", attention._logits_kernel, dict(logits, **raw), consts,
                         {"num_warps": c["logit_warps"], "num_stages": c["logit_stages"]}, "wgmma"))
         n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-top // c["LOGIT_BLOCK_N"])
-        for dsplit in (*attention.AUTO_DSPLITS, attention.WIDE_DSPLIT):  # the splits "auto" picks
+        for dsplit in (*attention.AUTO_DSPLITS, *attention.WIDE_DSPLITS):  # the splits "auto" picks
             consts = dict(shape, PER_BLOCK=per_block, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=attention.pv_block_n(dsplit, c),
                           DSPLIT=dsplit, DENSE=False, PIECE=c["PIECE"], **formats)
             out.append((f"attention pv v4 DSPLIT={dsplit} per_block={per_block} tiles={n_tiles}", attention._pv_kernel, dict(pv, **raw), consts,

@@ -915,7 +915,9 @@ ATTN_TILINGS = {"default": {}, "small": {"LOGIT_BLOCK_N": 16, "PV_BLOCK_N": 16, 
 ATTN_SPREADS = [
     {"TILES_PER_PROGRAM": 1, "LOGIT_BLOCK_H": 16, "DSPLIT": 1},
     {"TILES_PER_PROGRAM": 2, "LOGIT_BLOCK_H": 32, "DSPLIT": 2},
-    {"TILES_PER_PROGRAM": 64, "LOGIT_BLOCK_H": 64, "DSPLIT": 4},
+    # (8 slices: at 128 channels a slice of 16 pairs, one ring scale group, as one token's 32
+    # slices of 512 channels; 64-channel cases keep 4)
+    {"TILES_PER_PROGRAM": 64, "LOGIT_BLOCK_H": 64, "DSPLIT": 8},
     # the compressed keys from the dense bf16 copy (prefill-sized steps) instead of the cache
     # (FP4 entries only: bf16 ones are read in place whatever the config says)
     {"DENSE_CKV": True, "DSPLIT": 1},
@@ -1101,8 +1103,9 @@ def test_sparse_attention_launch_plan(monkeypatch):
     at one program per token."""
     cfg = tattn.CONFIG
     cpu = torch.device("cpu")  # 4 SMs stand in for the interpreter
-    one = tattn.launch_plan(1, 64, 512, 128, 512, cpu, cfg, 1, 16)  # 5 logits tiles in runs of 2
-    assert one["n_tiles"] == 5 and one["LOGIT_BLOCK_H"] == 64 and one["tiles_per_program"] == 2 and one["logit_programs"] == 3 and one["DSPLIT"] == 2
+    one = tattn.launch_plan(1, 64, 512, 128, 512, cpu, cfg, 1, 16)  # 5 logits tiles, one a program (dense keys: 2 programs an SM)
+    assert one["n_tiles"] == 5 and one["LOGIT_BLOCK_H"] == 64 and one["tiles_per_program"] == 1 and one["logit_programs"] == 5 and one["DSPLIT"] == 2
+    assert one["DENSE_CKV"] and tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, DENSE_CKV=False), 1, 16)["tiles_per_program"] == 2
     many = tattn.launch_plan(4096, 64, 512, 128, 512, cpu, cfg, 1, 16)
     assert many["LOGIT_BLOCK_H"] == 64 and many["logit_programs"] == 1 and many["DSPLIT"] == 1
     assert tattn.launch_plan(1, 64, 64, 16, 0, cpu, dict(cfg, DSPLIT=8), 1, 16)["DSPLIT"] == 4
@@ -1111,15 +1114,27 @@ def test_sparse_attention_launch_plan(monkeypatch):
     with pytest.raises(ValueError, match="LOGIT_BLOCK_H"):
         tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, LOGIT_BLOCK_H=8), 1, 16)
     # the H200's 132 SMs: one token gets one tile per program and 16-head blocks (20 logits
-    # programs), 8 tokens 32-head blocks (80), 64 tokens all 64 heads in runs of 2 tiles (192),
-    # 256 one program (16 tokens: 64-head blocks); PV: 16 slices of 64-key tiles while they
+    # programs), 8 tokens 32-head blocks (80), 64 tokens all 64 heads in runs of 3 tiles (128
+    # programs, one wave: runs of 2 made 192, two waves of 2 tile rounds), 256 one program (16
+    # tokens: 64-head blocks); PV: 32 slices (one token) or 16 of 64-key tiles while they
     # fit one wave (up to 8 tokens), then within half the SMs (16 tokens x 4 slices, 64 x 1)
     # with 32-key tiles
     monkeypatch.setattr(tattn, "num_sms", lambda device: 132)
     plans = {t: tattn.launch_plan(t, 64, 512, 128, 512, cpu, cfg, t, 16384) for t in (1, 8, 16, 64, 256)}
-    assert [(p["LOGIT_BLOCK_H"], p["tiles_per_program"]) for p in plans.values()] == [(16, 1), (32, 1), (64, 1), (64, 2), (64, 5)]
-    assert [(p["DSPLIT"], p["PV_BLOCK_N"]) for p in plans.values()] == [(16, 64), (16, 64), (4, 32), (1, 32), (1, 32)]
+    assert [(p["LOGIT_BLOCK_H"], p["tiles_per_program"]) for p in plans.values()] == [(16, 1), (32, 1), (64, 1), (64, 3), (64, 5)]
+    assert [(p["DSPLIT"], p["PV_BLOCK_N"]) for p in plans.values()] == [(32, 64), (16, 64), (4, 32), (1, 32), (1, 32)]
     assert tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, PV_BLOCK_N=16), 1, 16)["PV_BLOCK_N"] == 16
+
+
+def test_logit_tiles_per_program_counts_whole_waves():
+    """The most tiles a program whose rounds of tiles per SM (waves x tiles) are within 10% of
+    the fewest: whole waves, ties to the larger tiles."""
+    assert tattn.logit_tiles_per_program(4, 5, 132) == 1  # one token, 16-head blocks: 20 programs
+    assert tattn.logit_tiles_per_program(64, 5, 132) == 3  # 128 programs in one wave, not 192 in two
+    assert tattn.logit_tiles_per_program(128, 5, 132) == 5  # 5 rounds either way: the larger tiles
+    assert tattn.logit_tiles_per_program(4096, 5, 132) == 5  # 156 rounds of 1 tile vs 160 of 5: within 10%
+    assert tattn.logit_tiles_per_program(4096, 5, 264) == 5  # two resident programs an SM (the dense form)
+    assert tattn.logit_tiles_per_program(1, 65, 132) == 1  # V4's HCA at 1M tokens: 65 tiles, 65 programs
 
 
 # ----------------------------------------------------------------------------------- sm_90 build

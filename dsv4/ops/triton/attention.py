@@ -95,8 +95,11 @@ CONFIG = {
 # pv_stages 3 (was 2): equal or faster at every size in attention_sweep S3-2 (T=1 50.2 -> 48.7 us,
 # T=8 52.8 -> 50.2, T=256 300 -> 296, a 4096-token chunk 4.12 -> 4.09 ms, T=64 level).
 DSPLITS = (1, 2, 4, 8, 16, 32)
-AUTO_DSPLITS = (1, 2, 4, 8)  # "auto" above a few tokens (below: WIDE_DSPLIT)
-WIDE_DSPLIT = 16  # "auto" while tokens x 16 slices fit in one wave of programs
+AUTO_DSPLITS = (1, 2, 4, 8)  # "auto" above a few tokens (below: WIDE_DSPLITS)
+# "auto" while tokens x slices fit in one wave of programs: the widest that does. 32 slices of
+# 16 channels took one token's call from 34.3 to 30.6 us (attention_sweep, H100, nineteenth
+# session; 8 tokens: 16 slices 38.7, 32 slices 39.4)
+WIDE_DSPLITS = (32, 16)
 LOGIT_BLOCK_HS = (64, 32, 16)  # widest first; 16 is the narrowest wgmma N worth a program
 # Dense compressed keys (DENSE_CKV): a prefill-sized step uses each compressed entry many times
 # (8192 tokens x 512 selections over 2048 entries: ~2000 uses each), and dequantising it at
@@ -538,8 +541,10 @@ def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch
     copy (DENSE_CKV; "auto"; FP4 entries only, see DENSE_MIN_USES; one copy serves every
     launch). None of them changes any result.
     Logits: the widest head block that gives at least half as many programs as SMs (a narrower
-    block dequantises every key again), tiles spread over programs up to one program per SM.
-    PV: 16 channel slices while they fit in one wave, else the most slices that keep the
+    block dequantises every key again), tiles per program counted in whole waves
+    (`logit_tiles_per_program`; 64 tokens: 3 tiles a program, 114.3 -> 111.2 us a call on the
+    H100, attention_sweep, nineteenth session).
+    PV: 32 or 16 channel slices while they fit in one wave, else the most slices that keep the
     programs within half the SMs. (attention_sweep, device call S3-1: DSPLIT 1 instead of 4
     took T=64 from 139 to 115 us, LOGIT_BLOCK_H 32 instead of 16 T=8 from 61 to 54 us; S4-2:
     16 slices of 64-key tiles instead of 8 of 32 took T=1 from 47.9 to 35.5 us and T=8 from
@@ -556,25 +561,36 @@ def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch
         raise ValueError(f"sparse_attention: LOGIT_BLOCK_H must be 'auto' or one of {LOGIT_BLOCK_HS}, got {lbh!r}")
     logit_rows = tokens * triton.cdiv(h, lbh)
     tiles = cfg["TILES_PER_PROGRAM"]
-    if tiles == "auto":
-        tiles = triton.cdiv(n_tiles, max(1, min(n_tiles, triton.cdiv(sms, logit_rows))))
-    dsplit = cfg["DSPLIT"]
-    if dsplit == "auto":
-        if rows * WIDE_DSPLIT <= sms:
-            dsplit = WIDE_DSPLIT
-        else:
-            dsplit = max((d for d in AUTO_DSPLITS if rows * d <= sms // 2), default=1)
-    if dsplit not in DSPLITS:
-        raise ValueError(f"sparse_attention: DSPLIT must be 'auto' or one of {DSPLITS}, got {dsplit!r}")
-    dsplit = min(dsplit, dim // (RING_SCALE_BLOCK.value // 2))  # a slice holds whole ring scale groups
     dense = cfg["DENSE_CKV"]
     if dense == "auto":
         copied = requests * entries
         dense = t * n_top >= DENSE_MIN_USES * copied and copied * dim * 2 <= DENSE_MAX_BYTES
     if dense not in (True, False):
         raise ValueError(f"sparse_attention: DENSE_CKV must be 'auto', True or False, got {dense!r}")
+    dense = bool(dense and n_top > 0 and fp4_ckv)
+    if tiles == "auto":
+        tiles = logit_tiles_per_program(logit_rows, n_tiles, sms * (2 if dense and cfg["dense_logit_maxnreg"] else 1))
+    dsplit = cfg["DSPLIT"]
+    if dsplit == "auto":
+        dsplit = next((d for d in WIDE_DSPLITS if rows * d <= sms), None)
+        if dsplit is None:
+            dsplit = max((d for d in AUTO_DSPLITS if rows * d <= sms // 2), default=1)
+    if dsplit not in DSPLITS:
+        raise ValueError(f"sparse_attention: DSPLIT must be 'auto' or one of {DSPLITS}, got {dsplit!r}")
+    dsplit = min(dsplit, dim // (RING_SCALE_BLOCK.value // 2))  # a slice holds whole ring scale groups
     return {"tokens": tokens, "n_tiles": n_tiles, "LOGIT_BLOCK_H": lbh, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit,
-            "PV_BLOCK_N": pv_block_n(dsplit, cfg), "DENSE_CKV": bool(dense and n_top > 0 and fp4_ckv)}
+            "PV_BLOCK_N": pv_block_n(dsplit, cfg), "DENSE_CKV": dense}
+
+
+def logit_tiles_per_program(rows: int, n_tiles: int, resident: int) -> int:
+    """Logits tiles per program for `rows` (token, head block) rows of n_tiles tiles, with
+    `resident` programs at a time on the GPU (one per SM: the cache-key form takes 245
+    registers): the most tiles whose rounds of tiles per SM (waves x tiles) are within 10% of
+    the fewest. Waves count whole: at 64 tokens 2 tiles a program made 192 programs, two waves
+    of 2 tile rounds where 128 programs of 3 tiles take one wave of 3; ties and small gains keep
+    the larger tiles (q loaded once per program, e.g. at prefill)."""
+    rounds = {k: triton.cdiv(rows * triton.cdiv(n_tiles, k), resident) * k for k in range(1, n_tiles + 1)}
+    return max(k for k, r in rounds.items() if r <= 1.1 * min(rounds.values()))
 
 
 def workspace_bytes(tokens: int, h: int, n_keys: int, n_tiles: int) -> int:
