@@ -53,12 +53,12 @@ def moe_capped(t: int, maxnreg: int | None) -> None:
         gate_up["maxnreg"] = default
 
 
-def w8a16(name: str) -> None:
+def w8a16(name: str, m: int = 1) -> None:
     from dsv4.ops.triton import fp8_gemm
 
     _, n, k, block = next(p for p in ck.PROJECTIONS if p[0] == name)
     w, s = ck.fp8_weight(n, k, block, seed=0)
-    x = torch.randn(1, k, device="cuda").bfloat16()
+    x = torch.randn(m, k, device="cuda").bfloat16()
     for _ in range(2):
         fp8_gemm.fp8_linear_w8a16(x, w, s, block)
 
@@ -80,7 +80,11 @@ CASES = {
     "moe_t1152_uncapped": lambda: moe_capped(1152, None),
     "wq_b_m1": lambda: w8a16("wq_b"),
     "wo_b_m1": lambda: w8a16("wo_b"),
+    "wq_b_m64": lambda: w8a16("wq_b", 64),
+    "wo_b_m64": lambda: w8a16("wo_b", 64),
+    "wq_b_m256": lambda: w8a16("wq_b", 256),
     "attn_t1": lambda: attention(1),
+    "attn_t64": lambda: attention(64),
     "attn_t4096": lambda: attention(4096),
 }
 

@@ -15,6 +15,11 @@ step, with its launch count, its share of the step and the GPU's idle time betwe
 `--torch-ops`: also runs one eager step under a torch dispatch mode and lists the aten ops it
 issues outside the Triton kernels by the dsv4 source line that issued them (the profiler of
 the device's torch records no Python callers): where a step's small torch launches come from.
+
+`--copies`: also lists an eager step's copy ops (copy_, clone, _to_copy, contiguous; a copy
+counts under each op it passes through) by input shapes with the GPU time of their kernels:
+which tensors the graphs' `direct_copy_kernel` launches move (the nineteenth session's: the
+fragment-order copies of the wider GEMM tiles' activations).
 """
 
 from __future__ import annotations
@@ -91,6 +96,23 @@ def torch_op_table(model: Model, batch, cache) -> list[dict]:
     return [{"op": op, "where": where, "calls": n} for (op, where), n in mode.counts.most_common()]
 
 
+def copy_table(model: Model, batch, cache) -> list[dict]:
+    """The copy ops of one eager step (copy_, clone, _to_copy, contiguous) by input shapes,
+    with the GPU time of the kernels they launched, most first."""
+    def step():
+        with torch.inference_mode():
+            return model.logits(model.forward(batch, cache))
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [{"op": e.key, "shapes": str(e.input_shapes), "calls": e.count, "us": e.device_time_total}
+            for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::contiguous")]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cases", nargs="+")
@@ -101,6 +123,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30, help="kernels printed per case")
     p.add_argument("--eager", action="store_true", help="also profile the eager step (Model.forward, no padding)")
     p.add_argument("--torch-ops", action="store_true", help="also list an eager step's aten ops by source line")
+    p.add_argument("--copies", action="store_true", help="also list an eager step's copy ops by input shape, with their GPU time")
     p.add_argument("--json")
     args = p.parse_args()
     dtype, device = torch.bfloat16, torch.device("cuda")
@@ -148,6 +171,10 @@ def main() -> int:
             for where, n in by_line.most_common():
                 names = ", ".join(f"{o['op']} x{o['calls']}" for o in ops if o["where"] == where)
                 print(f"  {n:5d}  {where}  ({names})")
+        if args.copies:
+            print("  an eager step's copies by input shapes (GPU us):")
+            for row in doc[case.name].setdefault("copies", copy_table(model, batch, cache)):
+                print(f"  {row['us']:9.1f} us {row['calls']:4d}x  {row['op']}  {row['shapes'][:150]}")
         del runner, cache, batch
         torch.cuda.empty_cache()
     if args.json:
