@@ -2371,6 +2371,8 @@ def compile_targets() -> list[tuple]:
     for block in (32, 128):
         out.append((f"act quant b={block}", fp8_gemm._act_quant_kernel, act, {"QBLOCK": block, "BLOCK_R": min(64, 4096 // block), "FAKE": False}, {"num_warps": 4}))
     out.append(("act fake quant b=32", fp8_gemm._act_quant_kernel, act_fake, {"QBLOCK": 32, "BLOCK_R": 64, "FAKE": True}, {"num_warps": 4}))
+    frag = {"x_ptr": "*bf16:16", "out_ptr": "*bf16:16", "t": i, "blocks": i, "stride_x": a}
+    out.append(("fragment order copy", fp8_gemm._fragment_order_kernel, frag, {"ROWS": fp8_gemm.FRAGMENT_ROWS, "BLOCKS": fp8_gemm.FRAGMENT_BLOCKS}, {"num_warps": 4}))
     w8a8 = {
         "a_ptr": "*fp8e4nv:16", "as_ptr": "*u8:16", "w_ptr": "*fp8e4nv:16", "ws_ptr": "*u8:16", "out_ptr": "*bf16:16",
         "M": i, "N": a, "K": a, "ROW_CLASS": i, "stride_am": a, "stride_asm": a, "stride_wn": a, "stride_wsn": a, "stride_om": a,

@@ -512,12 +512,13 @@ def test_fragment_order_has_one_permutation():
     assert torch.equal(held32.view(2, 128).sort(1).values, torch.arange(256).view(2, 128))
 
 
-@pytest.mark.parametrize("t, k, strided", [(1, 64, False), (7, 64 * 37, False), (5, 1280, True)])
-def test_fragment_order_kernel_is_the_permuted_copy(t, k, strided):
+@pytest.mark.parametrize("t, k, offset", [(1, 64, None), (7, 64 * 37, None), (5, 1280, 64), (3, 128, 1)])
+def test_fragment_order_kernel_is_the_permuted_copy(t, k, offset):
     """The copy kernel against the permuted view it stands for, on random bf16 rows: row and
-    block counts that leave partial tiles, and a strided x (a column slice, read through its row stride)."""
-    wide = torch.randn(t, k + (64 if strided else 0), generator=_gen(t + k)).bfloat16().to(DEVICE)
-    x = wide[:, 64:] if strided else wide
+    block counts that leave partial tiles, and column slices of a wider x: at an even offset
+    read through its row stride, at an odd one (rows not in whole int32 words) copied first."""
+    wide = torch.randn(t, k + (offset or 0), generator=_gen(t + k)).bfloat16().to(DEVICE)
+    x = wide[:, offset:] if offset else wide
     want = x.cpu().view(t, k // 64, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6).reshape(t, k)
     assert torch.equal(fp8_gemm.fragment_order(x).cpu(), want)
     with pytest.raises(ValueError, match="2-byte values"):

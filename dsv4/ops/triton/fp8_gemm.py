@@ -461,7 +461,7 @@ def fragment_order(x: torch.Tensor) -> torch.Tensor:
     if x.element_size() != 2 or k % 64:
         raise ValueError(f"fragment_order: x must hold 2-byte values [T, K] with K a multiple of 64, got {x.dtype} {list(x.shape)}")
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # int32 words of two inputs
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # (a fresh, aligned allocation)
     out = torch.empty(t, k, dtype=x.dtype, device=x.device)
     if x.numel():
         _fragment_order_kernel[(triton.cdiv(t, FRAGMENT_ROWS), triton.cdiv(k // 64, FRAGMENT_BLOCKS))](
