@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 
 from .metrics import summarize
 from .replay import PointRun, ReplayConfig, Replayer
@@ -244,12 +245,12 @@ def serve_main(args) -> int:
         )
         replayer = Replayer(workload, cfg)
     except ValueError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
     try:
         results, meta = asyncio.run(_sweep(replayer, args, console))
     except httpx.HTTPError as exc:
-        console.print(f"[red]error:[/] cannot use {args.base_url}: {exc!r}")
+        console.print(f"[red]error:[/] cannot use {escape(f'{args.base_url}: {exc!r}')}")
         return 1
     summary = sweep_summary(results)
     console.print(point_table(results, title=f"{meta['label']} (run {meta['run_id']})"))

@@ -63,6 +63,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dsv4.bench.roofline import (
@@ -642,7 +643,7 @@ def forward_main(args) -> int:
     try:
         doc = run_bench(opts, args.cases, console)
     except (BenchError, CaseError, ConfigError) as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)  # (the grammar's [@K] is not markup)
         return 2
     for table in tables(doc):
         console.print(table)

@@ -165,5 +165,6 @@ def test_chat_and_trace_workloads(fake_server, tmp_path, traces_dir):
     assert trace["theoretical_cache_hit_rate"] > 0.5 and trace["server_cache_hit_rate"] > 0.5
 
 
-def test_unreachable_server_fails_cleanly(tmp_path):
+def test_unreachable_server_fails_cleanly(tmp_path, capsys):
     assert _serve("http://127.0.0.1:9", tmp_path, "--profile", "smoke", "--concurrency", "1", "--duration", "0.1") == 1
+    assert "cannot use http://127.0.0.1:9: ConnectError(" in capsys.readouterr().out  # which server, and why

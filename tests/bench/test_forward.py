@@ -370,6 +370,8 @@ def test_bench_forward_v4_with_baseline_and_bad_input(tmp_path, capsys):
     assert case["reference"]["median_ms"] > 0 and case["reference_ratio"] > 0 and case["fast"]["breakdown_ms"] is None
     assert _run(["--config", "tiny-v41", "--device", "cpu", "bad=8@4"]) == 2
     assert "K must be >= Q" in capsys.readouterr().out
+    assert _run(["--config", "tiny-v41", "--device", "cpu", "q=3@2:1c"]) == 2
+    assert "does not match [N*]Q[@K][c][:D]" in capsys.readouterr().out  # the grammar printed whole, not eaten as markup
     assert _run(["--config", "tiny-v41", "--device", "cpu", "--block-size", "3", "d=1@8"]) == 2
     assert "--block-size" in capsys.readouterr().out
     assert _run(["--config", "no/such/config.json", "d=1"]) == 2
