@@ -572,8 +572,10 @@ ROTATE_BYTES = 192 << 20  # weight bytes the calls of one graph cycle through (>
 W8A16_TILES = {
     16: [(128, 128, 1, 4, 3), (128, 128, 1, 4, 4), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (128, 128, 1, 8, 3), (256, 128, 1, 8, 3), (256, 64, 1, 8, 4)],
     32: [(128, 128, 1, 4, 3), (128, 128, 2, 4, 3), (64, 128, 1, 4, 4)],  # GROUP_T 2: both row tiles of M=64 share the weight tile in L2
-    64: [(128, 128, 1, 4, 3), (128, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 128, 1, 8, 3), (256, 64, 1, 8, 3)],
-    128: [(128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3)],
+    # (a sixth entry: the register cap `maxnreg`; the 64- and 128-row defaults take 153 and 193
+    # registers, one program an SM: capped at 128, two, at 32 and 264 bytes spilled)
+    64: [(128, 128, 1, 4, 3), (128, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 128, 1, 8, 3), (256, 64, 1, 8, 3), (128, 128, 1, 8, 3, 128)],
+    128: [(128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128, 64, 8, 8, 3, 128), (128, 64, 8, 8, 3, 168)],
     256: [(128, 64, 8, 8, 2)],
 }
 SWEEP_ROW_TILES = {1: (16,), 32: (32,), 64: (64, 32), 256: (128, 64, 256)}  # rows -> row tiles tried
@@ -648,7 +650,8 @@ def rotated(w: torch.Tensor, s: torch.Tensor) -> list[tuple[torch.Tensor, torch.
 
 
 def tile_label(tile: dict) -> str:
-    return f"T{tile['BLOCK_T']} N{tile['BLOCK_N']} K{tile['BLOCK_K']} g{tile['GROUP_T']} w{tile['num_warps']} s{tile['num_stages']}"
+    cap = f" r{tile['maxnreg']}" if tile.get("maxnreg") else ""  # the register cap (launch_options)
+    return f"T{tile['BLOCK_T']} N{tile['BLOCK_N']} K{tile['BLOCK_K']} g{tile['GROUP_T']} w{tile['num_warps']} s{tile['num_stages']}{cap}"
 
 
 def w8a16_candidates(m: int, n: int, k: int, block: int) -> list[dict]:
@@ -661,8 +664,8 @@ def w8a16_candidates(m: int, n: int, k: int, block: int) -> list[dict]:
     default = dict(fp8_gemm.w8a16_config(m))
     cands = [{"tile": default}]
     for bt in SWEEP_ROW_TILES[m]:
-        for bn, bk, group, warps, stages in W8A16_TILES[bt]:
-            tile = {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_T": group, "num_warps": warps, "num_stages": stages}
+        for bn, bk, group, warps, stages, *cap in W8A16_TILES[bt]:
+            tile = {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_T": group, "num_warps": warps, "num_stages": stages, **({"maxnreg": cap[0]} if cap else {})}
             if tile != default:
                 cands.append({"tile": tile})
     chunks = -(-k // fp8_gemm.w8a16_chunk_k(n, k, block, torch.device("cuda")))

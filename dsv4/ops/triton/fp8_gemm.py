@@ -495,8 +495,10 @@ def fragment_order(x: torch.Tensor) -> torch.Tensor:
 #   (its M: a multiple of 16 x num_warps, so that each warp group owns whole 64-row slabs),
 #   BLOCK_K inputs per pipelined step (32, 64 or 128, in pieces of min(block, 32) inputs that are
 #   loaded, dequantised and multiplied one after the other), GROUP_T row tiles that
-#   neighbouring programs share (L2 reuse when there are many row tiles), warps and pipeline
-#   depth. None of these changes a row's bits (see above; the fixed pieces keep that true in
+#   neighbouring programs share (L2 reuse when there are many row tiles), warps, pipeline
+#   depth and an optional register cap `maxnreg` (`launch_options`; none set: the 128-row tile
+#   compiles to 176-193 registers, one program an SM, and spills 264 bytes under a cap of 128
+#   — a gemm_sweep candidate, untimed). None of these changes a row's bits (see above; the fixed pieces keep that true in
 #   the interpreter too, whose dot is a numpy product per piece), so the row class may follow M.
 # "CHUNKS" / "PROGRAMS_PER_SM" / "MIN_CHUNK_K": K is cut into chunks from the weight's shape and
 #   the device only (never from M): CHUNKS[(N, K, block)] if set, else enough chunks that a
@@ -748,6 +750,13 @@ def _w8a16_kernel(
 _SMS: dict[torch.device, int] = {}
 
 
+def launch_options(tile: dict) -> dict:
+    """The Triton launch options of a kernel's tile knobs (`W8A16["rows"]`, `moe.MOE["rows"]`
+    gate_up / down): warps, pipeline depth and, where set, the register cap `maxnreg` (more
+    programs an SM for kernels that registers hold at one; it never changes a result)."""
+    return {"num_warps": tile["num_warps"], "num_stages": tile["num_stages"], **({"maxnreg": tile["maxnreg"]} if tile.get("maxnreg") else {})}
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of the device (4 stands in for the CPU interpreter); cached,
     as every launch asks."""
@@ -900,7 +909,7 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
         SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=words,
         LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, TICKET=ticket, A8=a8, STEP=words and w8a16_step(w_scale, block, bk),
-        FRAGMENT=fragment, XREG=xreg, WARPS=cfg["num_warps"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FRAGMENT=fragment, XREG=xreg, WARPS=cfg["num_warps"], **launch_options(cfg),
     )
     if split and not ticket:
         sum_chunks(part, out)

@@ -58,7 +58,7 @@ import triton.language as tl
 from dsv4.model import quant
 from dsv4.ops.triton.fp8_gemm import (
     dequant_fp4, dequant_fp8, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, fp8_quantise, fragment_dot_order, fragment_order,
-    fragment_order_tile, fragment_rows, ptx_convert, step_dot, step_tile, wgmma_tile_error,
+    fragment_order_tile, fragment_rows, launch_options, ptx_convert, step_dot, step_tile, wgmma_tile_error,
 )
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
@@ -577,13 +577,6 @@ def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K
             total = total.to(tl.bfloat16).to(tl.float32)
         total += tl.load(y_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * D + cols, total.to(out_ptr.dtype.element_ty), mask=ok)  # fp32, or rounded once to bf16
-
-
-def launch_options(part: dict) -> dict:
-    """The Triton launch options of a kernel's tile knobs (`MOE["rows"]` gate_up / down):
-    warps, pipeline depth and, where set, the register cap `maxnreg` (more programs an SM for
-    kernels that registers hold at one)."""
-    return {"num_warps": part["num_warps"], "num_stages": part["num_stages"], **({"maxnreg": part["maxnreg"]} if part.get("maxnreg") else {})}
 
 
 def moe_config(pairs: int, experts: int, fp8_act: bool = False) -> dict:
