@@ -86,27 +86,28 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def eager_step(model: Model, batch, cache):
+    """The bench's eager step (`Model.forward` on the unpadded batch, then the logits)."""
+    with torch.inference_mode():
+        return model.logits(model.forward(batch, cache))
+
+
 def torch_op_table(model: Model, batch, cache) -> list[dict]:
     """The aten ops of one eager step, per (op, source line), most frequent first."""
-    with torch.inference_mode():
-        model.logits(model.forward(batch, cache))  # warm: lazily built tensors are not counted
-        mode = _CountOps()
-        with mode:
-            model.logits(model.forward(batch, cache))
+    eager_step(model, batch, cache)  # warm: lazily built tensors are not counted
+    mode = _CountOps()
+    with mode:
+        eager_step(model, batch, cache)
     return [{"op": op, "where": where, "calls": n} for (op, where), n in mode.counts.most_common()]
 
 
 def copy_table(model: Model, batch, cache) -> list[dict]:
     """The copy ops of one eager step (copy_, clone, _to_copy, contiguous) by input shapes,
     with the GPU time of the kernels they launched, most first."""
-    def step():
-        with torch.inference_mode():
-            return model.logits(model.forward(batch, cache))
-
-    step()
+    eager_step(model, batch, cache)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        step()
+        eager_step(model, batch, cache)
         torch.cuda.synchronize()
     rows = [{"op": e.key, "shapes": str(e.input_shapes), "calls": e.count, "us": e.device_time_total}
             for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::contiguous")]
@@ -149,10 +150,7 @@ def main() -> int:
         for k in table["kernels"][: args.top]:
             print(f"  {k['us']:9.1f} us {100 * k['us'] / table['kernel_us']:5.1f}% {k['calls']:6.1f}x  {k['name'][:110]}")
         if args.eager:
-            def eager():
-                with torch.inference_mode():
-                    return model.logits(model.forward(batch, cache))
-
+            eager = lambda: eager_step(model, batch, cache)  # noqa: E731
             eager_times = bench.time_step(eager, device, 2, 5)
             eager_table = doc[case.name]["eager"] = {"step_ms": statistics.median(eager_times), **kernel_table(eager, args.steps)}
             graph_us = {k["name"]: k["us"] for k in table["kernels"]}
