@@ -29,15 +29,14 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, WEIGHT_I
     ok = cols < N
     h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    normed = h * rstd
-    if WEIGHTED:
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     if not WEIGHTED:
         y = h * rstd.to(out_ptr.dtype.element_ty).to(tl.float32)
-    elif WEIGHT_IN_FP32:
-        y = w.to(tl.float32) * normed
     else:
-        y = w.to(out_ptr.dtype.element_ty).to(tl.float32) * normed.to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        if WEIGHT_IN_FP32:
+            y = w.to(tl.float32) * (h * rstd)
+        else:
+            y = w.to(out_ptr.dtype.element_ty).to(tl.float32) * (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
