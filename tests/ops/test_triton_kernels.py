@@ -372,11 +372,20 @@ def test_fp8_linear_w8a16_bits_do_not_depend_on_tiles(monkeypatch, block, chunks
         {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 8, "num_stages": 4, "maxnreg": 128},
         {"BLOCK_T": 256, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_T": 1, "num_warps": 4, "num_stages": 2},
     ]
+    launches = []  # each launch's options: a tile's register cap must reach Triton
+    kernel = fp8_gemm._w8a16_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(fp8_gemm, "_w8a16_kernel", Spy())
     for split in (1.0, 0.0):
         for cfg in tilings:
             monkeypatch.setitem(fp8_gemm.W8A16, "rows", ((None, cfg),))
             monkeypatch.setitem(fp8_gemm.W8A16, "SPLIT_TILES_PER_SM", split)
             assert torch.equal(fp8_gemm.fp8_linear_w8a16(x, w, s, block), base), (cfg, split)
+            assert launches[-1].get("maxnreg") == cfg.get("maxnreg"), cfg
 
 
 def test_w8a16_tiles_must_be_whole_wgmma(monkeypatch):
