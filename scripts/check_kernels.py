@@ -11,7 +11,8 @@ not depend on its batch (batch invariance).
     python scripts/check_kernels.py --compile-only   # any machine: sm_90 compile, registers, spills
 
 Section gemm_sweep times candidate tilings of the decode-regime FP8 GEMM and MoE kernels
-(replayed from CUDA graphs) and prints the best per shape and the knob settings they suggest.
+(replayed from CUDA graphs) and prints the best per shape and the knob settings they suggest;
+w8a16_sweep and moe_sweep run one half each.
 Section attention_sweep (under 60 s: `--sections attention_sweep --budget 120`) times candidate
 sparse-attention tilings at decode T = 1, 8, 64, 256 and a 4096-token prefill chunk, replayed
 from CUDA graphs over rotating input sets, and prints each size's fastest correct one ("BEST")
@@ -77,6 +78,8 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "engram": 0.1,
     "mhc": 0.15,
     "gemm_sweep": 0.25,
+    "w8a16_sweep": 0.15,
+    "dequant_sweep": 0.05,
     "moe_sweep": 0.15,
 }
 
@@ -488,6 +491,37 @@ MOE_PREFILL_TILES = [
 ]
 
 
+# dequant_sweep: `fp8_gemm.DEQUANT_TILE` candidates (BLOCK_R, BLOCK_C, num_warps) on the prefill
+# MoE's stacked experts (65 of V4.1-Flash's: gate_up 65 x 4608 x 5120, down 65 x 5120 x 2304,
+# one E8M0 byte per 32 inputs), the default first; every one must give the default's bits.
+DEQUANT_TILES = [(32, 256, 8), (64, 256, 8), (32, 512, 8), (64, 512, 8), (128, 256, 8), (16, 256, 4), (32, 256, 4), (32, 128, 4), (64, 512, 16)]
+
+
+def dequant_sweep_case(name: str, rows: int, inputs: int) -> None:
+    from dsv4.ops.triton import fp8_gemm
+
+    w = torch.randn(rows, inputs, device="cuda").to(torch.float8_e4m3fn)
+    s = torch.randint(110, 140, (rows, inputs // 32), dtype=torch.uint8, device="cuda")
+    default = dict(fp8_gemm.DEQUANT_TILE)
+    first = None
+    try:
+        for block_r, block_c, warps in DEQUANT_TILES:
+            fp8_gemm.DEQUANT_TILE.update(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+            out = fp8_gemm.dequant_fp8(w, s, 0, True)
+            first = out if first is None else first
+            t = median_time(lambda: fp8_gemm.dequant_fp8(w, s, 0, True), reps=10)
+            record("dequant_sweep", f"{name} {rows}x{inputs}", f"R{block_r} C{block_c} w{warps}", ok=torch.equal(out, first),
+                   **perf(t, 3 * w.numel() + s.numel(), 0, "bf16"))
+    finally:
+        fp8_gemm.DEQUANT_TILE.clear()
+        fp8_gemm.DEQUANT_TILE.update(default)
+
+
+def section_dequant_sweep() -> None:
+    guarded("dequant_sweep", "gate_up", dequant_sweep_case, "gate_up", 65 * 4608, 5120)
+    guarded("dequant_sweep", "down", dequant_sweep_case, "down", 65 * 5120, 2304)
+
+
 def moe_prefill_parts(data: tuple) -> None:
     """Where the dense grouped path's time goes at T=8192: the one-pass dequantisation of the
     stacked experts and the two bf16 grouped GEMMs alone."""
@@ -572,10 +606,13 @@ ROTATE_BYTES = 192 << 20  # weight bytes the calls of one graph cycle through (>
 W8A16_TILES = {
     16: [(128, 128, 1, 4, 3), (128, 128, 1, 4, 4), (64, 128, 1, 4, 4), (64, 128, 1, 4, 6), (128, 128, 1, 8, 3), (256, 128, 1, 8, 3), (256, 64, 1, 8, 4)],
     32: [(128, 128, 1, 4, 3), (128, 128, 2, 4, 3), (64, 128, 1, 4, 4)],  # GROUP_T 2: both row tiles of M=64 share the weight tile in L2
-    # (a sixth entry: the register cap `maxnreg`; the 64- and 128-row defaults take 153 and 193
-    # registers, one program an SM: capped at 128, two, at 32 and 264 bytes spilled)
+    # (a sixth entry: the register cap `maxnreg`; the old 8-warp 64-row default and the 128-row
+    # default take 153 and 193 registers, one program an SM: capped at 128, two, at 32 and 264
+    # bytes spilled)
     64: [(128, 128, 1, 4, 3), (128, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 128, 1, 8, 3), (256, 64, 1, 8, 3), (128, 128, 1, 8, 3, 128)],
-    128: [(128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128, 64, 8, 8, 3, 128), (128, 64, 8, 8, 3, 168)],
+    128: [(128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (128, 64, 8, 8, 3, 128), (128, 64, 8, 8, 3, 168),
+          # one warp group of 64 weight rows (64 accumulator registers a thread): three programs an SM under 168
+          (64, 64, 8, 4, 3), (64, 64, 8, 4, 3, 168), (64, 128, 8, 4, 3, 168)],
     256: [(128, 64, 8, 8, 2)],
 }
 SWEEP_ROW_TILES = {1: (16,), 32: (32,), 64: (64, 32), 256: (128, 64, 256)}  # rows -> row tiles tried
@@ -1005,6 +1042,11 @@ def run_gemm_sweep(kinds: tuple[str, ...]) -> None:
 
 def section_gemm_sweep() -> None:
     run_gemm_sweep(("w8a16", "moe"))
+
+
+def section_w8a16_sweep() -> None:
+    """The weight-only half of gemm_sweep alone."""
+    run_gemm_sweep(("w8a16",))
 
 
 def section_moe_sweep() -> None:
@@ -2059,8 +2101,8 @@ MHC_HC, MHC_D, MHC_ITERS, MHC_EPS = 4, 5120, 20, 1e-6
 # different BLOCK_K changes the bits). Each one compiles the GEMM anew (seconds on a cold cache):
 # the section ran past its 30 s limit with four variants at three sizes, so one is kept, half the
 # K steps (each step now waits for its MMAs before the fp32 add).
-MHC_CONFIGS = [{"BLOCK_K": 128, "num_stages": 2}]
-MHC_CONFIG_ROWS = (1, 8192)
+MHC_CONFIGS = [{"BLOCK_K": 128, "num_stages": 2}, {"MANY_BLOCK_T": 64}, {"num_stages": 4}]
+MHC_CONFIG_ROWS = (1, 256, 8192)
 
 
 def mhc_data(t: int, seed: int = 0) -> dict:
@@ -2195,16 +2237,21 @@ def mhc_config_case(t: int, a: dict, cfg: dict) -> None:
     from dsv4.ops.triton import mhc as triton_mhc
 
     default = dict(triton_mhc.CONFIG)
+    args = mhc_mixes_args(a)
+    base = triton_mhc.hc_mixes(*args)
     triton_mhc.CONFIG.update(cfg)
     try:
-        args = mhc_mixes_args(a)
-        err = max_rel(triton_mhc.hc_mixes(*args), mixes_fp64(a))
+        got = triton_mhc.hc_mixes(*args)
+        err = max_rel(got, mixes_fp64(a))
+        same = all(torch.equal(g, b) for g, b in zip(got, base))
         t_k = median_time(lambda: triton_mhc.hc_mixes(*args))
     finally:
         triton_mhc.CONFIG.clear()
         triton_mhc.CONFIG.update(default)
+    t_0 = median_time(lambda: triton_mhc.hc_mixes(*args))
     nbytes = a["x"].numel() * 2 + a["fn"].numel() * 4 + t * 24 * 4
-    record("mhc_config", f"T={t} " + " ".join(f"{k}={v}" for k, v in cfg.items()), "triton", err=err, **perf(t_k, nbytes, 0, "bf16"))
+    record("mhc_config", f"T={t} " + " ".join(f"{k}={v}" for k, v in cfg.items()), f"triton (default {t_0 * 1e3:.4f} ms, same bits: {same})",
+           err=err, same_bits=same, **perf(t_k, nbytes, 0, "bf16"))
 
 
 def rope_case(t: int, kind: str) -> None:
@@ -2479,7 +2526,8 @@ def compile_targets() -> list[tuple]:
     dequant = {"w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "N": a, "K": a, "stride_wn": a, "stride_sn": a, "stride_on": a}
     for qrows, qcols in ((32, 32), (1, 32)):
         out.append((f"dequant fp8 scales {qrows}x{qcols}", fp8_gemm._dequant_kernel, dequant,
-                    {"QROWS": qrows, "QCOLS": qcols, "BLOCK_R": 32, "BLOCK_C": 128, "PTX": True}, {"num_warps": 4}))
+                    {"QROWS": qrows, "QCOLS": qcols, "BLOCK_R": fp8_gemm.DEQUANT_TILE["BLOCK_R"], "BLOCK_C": max(qcols, fp8_gemm.DEQUANT_TILE["BLOCK_C"]), "PTX": True},
+                    {"num_warps": fp8_gemm.DEQUANT_TILE["num_warps"]}))
     from dsv4.ops.triton import rowwise
 
     norm = {"x_ptr": "*bf16:16", "w_ptr": "*bf16:16", "out_ptr": "*bf16:16", "stride_x": a, "stride_o": a, "N": a, "eps": f}
@@ -2660,6 +2708,8 @@ def mhc_compile_targets() -> list[tuple]:
             "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
     out = [(f"fp32 gemm {label}", mhc._fp32_gemm_kernel, gemm, {"SUMSQ": sumsq, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": n, "BLOCK_K": cfg["BLOCK_K"]},
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}) for label, sumsq, n in (("mhc mixes", True, 32), ("router split", False, mhc.SPLIT_BLOCK_N), ("wide", False, mhc.WIDE_BLOCK_N))]
+    out += [(f"fp32 gemm {label} many rows", mhc._fp32_gemm_kernel, gemm, {"SUMSQ": sumsq, "BLOCK_T": cfg["MANY_BLOCK_T"], "BLOCK_N": mhc.SPLIT_BLOCK_N, "BLOCK_K": cfg["BLOCK_K"]},
+             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}) for label, sumsq in (("mhc mixes", True), ("router split", False))]
     for label, dst, chunks in (("fp32 gemm", "*fp32", mhc.fp32_chunks(5120)[1]), ("w8a16 bf16", "*bf16", 20)):
         out.append((f"{label} chunk sum", fp8_gemm._sum_chunks_kernel, {"part_ptr": "*fp32", "out_ptr": dst, "T": i, "N": i, "stride_part": i, "stride_row": i, "stride_out": i},
                     {"CHUNKS": chunks, "BLOCK_T": fp8_gemm.SUM_BLOCK_T, "BLOCK_N": 256}, {"num_warps": 4}))
