@@ -497,8 +497,8 @@ def fragment_order(x: torch.Tensor) -> torch.Tensor:
 #   loaded, dequantised and multiplied one after the other), GROUP_T row tiles that
 #   neighbouring programs share (L2 reuse when there are many row tiles), warps, pipeline
 #   depth and an optional register cap `maxnreg` (`launch_options`; none set: the 128-row tile
-#   compiles to 176-193 registers, one program an SM, and spills 264 bytes under a cap of 128
-#   — a gemm_sweep candidate, untimed). None of these changes a row's bits (see above; the fixed pieces keep that true in
+#   compiles to 176-193 registers, one program an SM, and spills 264 bytes under a cap of 128,
+#   which timed within 2% of it but for wq_b, 36% slower: gemm_sweep, twentieth session). None of these changes a row's bits (see above; the fixed pieces keep that true in
 #   the interpreter too, whose dot is a numpy product per piece), so the row class may follow M.
 # "CHUNKS" / "PROGRAMS_PER_SM" / "MIN_CHUNK_K": K is cut into chunks from the weight's shape and
 #   the device only (never from M): CHUNKS[(N, K, block)] if set, else enough chunks that a
@@ -533,11 +533,18 @@ def fragment_order(x: torch.Tensor) -> torch.Tensor:
 # K64 g8 w8 s3 (15%); 32 rows was not swept.
 # Device run 2 (transposed kernel, geometric mean over the 10 projections): 16 rows N64 s4
 # (20%), 32 rows N64 s4 (18%), 64 rows N128 K128 w8 s3 (14%), 128 rows unchanged (16%).
+# Twentieth session (H100, gemm_sweep at M = 64, graph replays, us, 8 -> 4 warps, the same
+# tile, same bits): the 64-row class at 4 warps (one warp group of 128 weight rows, 64
+# accumulator registers a thread) was faster for 11 of the 12 projections: wq_a+wkv 17.7 ->
+# 14.4, wq_b 30.9 -> 25.3, wo_b 35.6 -> 29.9, shared.w13 25.4 -> 20.3, shared.w2 18.1 -> 14.7,
+# indexer.wq_b 14.5 -> 12.2, V4's wq_b 26.2 -> 22.4; V4's wo_b 24.4 -> 26.7. At M = 256 no
+# single tile beat the 128-row default on all shapes (64 weight rows at 4 warps: wq_b 72.4 ->
+# 68.9 but wo_b 71.0 -> 92.7); register caps moved it by under 2%.
 W8A16 = {
     "rows": (
         (16, {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 4}),
         (32, {"BLOCK_T": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 4}),
-        (64, {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 8, "num_stages": 3}),
+        (64, {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_T": 1, "num_warps": 4, "num_stages": 3}),
         (None, {"BLOCK_T": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_T": 8, "num_warps": 8, "num_stages": 3}),
     ),
     # FP8 inputs (A8): the same classes, whose per-piece product is a third fp32 tile next to
@@ -967,6 +974,14 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], tl.reshape(out, (BLOCK_R, BLOCK_C)), mask=ok)
 
 
+# `dequant_fp8`'s tile: BLOCK_R weight rows x BLOCK_C inputs a program (BLOCK_C at least one
+# scale's width). Any tile gives the same bits (an elementwise product); check_kernels
+# `dequant_sweep` times others at the prefill MoE's expert stacks: 512 inputs (was 256) took
+# the 65-expert gate_up stack 1.882 -> 1.695 ms (2.47 -> 2.74 TB/s), down 0.872 -> 0.846
+# (H100, twentieth session); more rows, 4 or 16 warps no better.
+DEQUANT_TILE = {"BLOCK_R": 32, "BLOCK_C": 512, "num_warps": 8}
+
+
 def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bool) -> torch.Tensor:
     """FP8 weight -> bf16 in one pass (1 byte read, 2 written per weight): one E8M0 scale per
     `block` x `block` tile, or per 32 inputs of a row (`row_scales`); exactly
@@ -978,10 +993,10 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bo
     if tuple(scale.shape) != (triton.cdiv(n, qrows), triton.cdiv(k, qcols)) or w.dtype != torch.float8_e4m3fn:
         raise ValueError(f"dequant_fp8: weight float8_e4m3fn {[n, k]} needs scales {[triton.cdiv(n, qrows), triton.cdiv(k, qcols)]}, got {w.dtype} {list(scale.shape)}")
     out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
-    block_c = max(qcols, 256)
-    _dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_c))](
+    block_r, block_c = DEQUANT_TILE["BLOCK_R"], max(qcols, DEQUANT_TILE["BLOCK_C"])
+    _dequant_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_c))](
         w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0),
-        QROWS=qrows, QCOLS=qcols, BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=8,
+        QROWS=qrows, QCOLS=qcols, BLOCK_R=block_r, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=DEQUANT_TILE["num_warps"],
     )
     return out
 
