@@ -62,7 +62,13 @@ from dsv4.ops.triton.fp8_gemm import num_sms, sum_chunks
 # alternatives. EPI_BLOCK_T: the epilogue's rows per program, on one warp: at hc = 4 its
 # 2 x 4 x 4 comb tile is one entry per lane (why: `_mixes_epilogue_kernel`); fixed for every T
 # like BLOCK_T, since the tile's layout sets the order of the epilogue's sums.
-CONFIG = {"BLOCK_T": 64, "BLOCK_K": 64, "CHUNK": 256, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
+CONFIG = {"BLOCK_T": 64, "MANY_BLOCK_T": 128, "BLOCK_K": 64, "CHUNK": 256, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
+# MANY_BLOCK_T: the rows per program of split calls that have many row tiles anyway (prefill's
+# mixes and router): a row's bits do not depend on its tile's height (the rows are the MMA's M;
+# each row's products and sums are its own), so the split decision keeps invariance. The mixes
+# at 8192 rows 0.414 -> 0.255 ms, same bits (check_kernels mhc, H100, twentieth session; level
+# at 1 and 256 rows). Few-tile (decode) calls keep 64: the router's split kernel takes 127
+# registers at 64 rows (two programs an SM), 216 at 128 (sm_90 compile).
 # Output columns per GEMM program (mHC's 24 + 1 in one block): 32 when the K chunks are split
 # over programs (few rows: a router at batch 1 was 0.05 ms slower with 64, half the programs),
 # 64 otherwise (251 registers at 8 warps, no spills; x is read once per column block: the
@@ -173,6 +179,9 @@ def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Ten
     few_tiles = 2 * tiles * (cols // min(cols, SPLIT_BLOCK_N)) <= num_sms(x2.device)
     split = chunks if few_tiles or chunks * t * cols * 4 <= SPLIT_MAX_BYTES else 1
     block_n = min(cols, SPLIT_BLOCK_N if split > 1 else WIDE_BLOCK_N)
+    if split > 1 and not few_tiles:
+        bt = CONFIG["MANY_BLOCK_T"]
+        tiles = triton.cdiv(t, bt)
     part = torch.empty(split, t, cols, dtype=torch.float32, device=x2.device)
     if t:
         _fp32_gemm_kernel[(tiles, split, cols // block_n)](
