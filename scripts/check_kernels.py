@@ -1269,7 +1269,7 @@ ATTN_SWEEP = [
     {"DSPLIT": 16, "PV_BLOCK_N": 64},
 ]
 ATTN_SWEEP_ROWS = (1, 8, 64, 256, 4096)
-ATTN_SWEEP_SECONDS = 50.0  # compile warm-up included; candidates left when this runs out are skipped (and reported)
+ATTN_SWEEP_SECONDS = 100.0  # compile warm-up included; candidates left when this runs out are skipped (and reported)
 ATTN_SWEEP_WORKERS = 4
 ATTN_SWEEP_REPS = 20
 # Calls of one graph cycle through input sets (own top-k, block tables, ring slots and queries
