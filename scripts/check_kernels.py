@@ -13,7 +13,7 @@ not depend on its batch (batch invariance).
 Section gemm_sweep times candidate tilings of the decode-regime FP8 GEMM and MoE kernels
 (replayed from CUDA graphs) and prints the best per shape and the knob settings they suggest;
 w8a16_sweep and moe_sweep run one half each.
-Section attention_sweep (under 60 s: `--sections attention_sweep --budget 120`) times candidate
+Section attention_sweep (under 110 s: `--sections attention_sweep --budget 140`) times candidate
 sparse-attention tilings at decode T = 1, 8, 64, 256 and a 4096-token prefill chunk, replayed
 from CUDA graphs over rotating input sets, and prints each size's fastest correct one ("BEST")
 with its fraction of the floor.
@@ -493,7 +493,7 @@ MOE_PREFILL_TILES = [
 
 # dequant_sweep: `fp8_gemm.DEQUANT_TILE` candidates (BLOCK_R, BLOCK_C, num_warps) on the prefill
 # MoE's stacked experts (65 of V4.1-Flash's: gate_up 65 x 4608 x 5120, down 65 x 5120 x 2304,
-# one E8M0 byte per 32 inputs), the default first; every one must give the default's bits.
+# one E8M0 byte per 32 inputs), timed after the default; every one must give the default's bits.
 DEQUANT_TILES = [(32, 256, 8), (64, 256, 8), (32, 512, 8), (64, 512, 8), (128, 256, 8), (16, 256, 4), (32, 256, 4), (32, 128, 4), (64, 512, 16)]
 
 
@@ -503,9 +503,11 @@ def dequant_sweep_case(name: str, rows: int, inputs: int) -> None:
     w = torch.randn(rows, inputs, device="cuda").to(torch.float8_e4m3fn)
     s = torch.randint(110, 140, (rows, inputs // 32), dtype=torch.uint8, device="cuda")
     default = dict(fp8_gemm.DEQUANT_TILE)
+    tiles = [(default["BLOCK_R"], default["BLOCK_C"], default["num_warps"])]
+    tiles += [tile for tile in DEQUANT_TILES if tile != tiles[0]]
     first = None
     try:
-        for block_r, block_c, warps in DEQUANT_TILES:
+        for block_r, block_c, warps in tiles:
             fp8_gemm.DEQUANT_TILE.update(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
             out = fp8_gemm.dequant_fp8(w, s, 0, True)
             first = out if first is None else first
@@ -2098,9 +2100,11 @@ def section_engram() -> None:
 MHC_ROWS = (1, 8, 64, 256, 4096, 8192)
 MHC_HC, MHC_D, MHC_ITERS, MHC_EPS = 4, 5120, 20, 1e-6
 # Alternative GEMM tilings timed against the default at decode (split) and prefill sizes (a
-# different BLOCK_K changes the bits). Each one compiles the GEMM anew (seconds on a cold cache):
-# the section ran past its 30 s limit with four variants at three sizes, so one is kept, half the
-# K steps (each step now waits for its MMAs before the fp32 add).
+# different BLOCK_K changes the bits). Each one compiles the GEMM anew (seconds on a cold cache;
+# an early section ran past a 30 s limit with four variants at three sizes; with a 200 s budget
+# for this section and dequant_sweep, these three at three sizes fit, S20-2): half the K steps
+# (each step then waits for its MMAs before the fp32 add), the prefill's split programs at the
+# decode height, a deeper pipeline.
 MHC_CONFIGS = [{"BLOCK_K": 128, "num_stages": 2}, {"MANY_BLOCK_T": 64}, {"num_stages": 4}]
 MHC_CONFIG_ROWS = (1, 256, 8192)
 

@@ -52,20 +52,19 @@ import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import num_sms, sum_chunks
 
-# GEMM tiling: rows per program (fixed for every T: a row's product must not depend on its
-# batch), K step, chunk (the unit of the split and of the fixed-order chunk sum; 80 chunks at
+# GEMM tiling: rows per program (BLOCK_T, or MANY_BLOCK_T below; the rows are the MMA's M, so
+# a row's products and sums do not depend on how many rows share its program), K step, chunk (the unit of the split and of the fixed-order chunk sum; 80 chunks at
 # hc*D = 20480: a decode call's programs run 4 serial K steps instead of 8 with 512-input
 # chunks, mHC 0.46 -> 0.41 ms and the router 1.11 -> 1.07 ms of a batch-1 step, S5-4; the 8K
 # prefill's unsplit mixes +0.25 ms, within that run's noise; in split mode the partial sums
 # write 1/4 of x's bytes and read them back). 8 warps: with 4, ptxas needs 255 registers and spills on
 # sm_90 (x is both a tensor-core operand and squared in registers). check_kernels.py times
 # alternatives. EPI_BLOCK_T: the epilogue's rows per program, on one warp: at hc = 4 its
-# 2 x 4 x 4 comb tile is one entry per lane (why: `_mixes_epilogue_kernel`); fixed for every T
-# like BLOCK_T, since the tile's layout sets the order of the epilogue's sums.
+# 2 x 4 x 4 comb tile is one entry per lane (why: `_mixes_epilogue_kernel`); fixed for every T,
+# since the tile's layout sets the order of the epilogue's sums.
 CONFIG = {"BLOCK_T": 64, "MANY_BLOCK_T": 128, "BLOCK_K": 64, "CHUNK": 256, "num_warps": 8, "num_stages": 3, "EPI_BLOCK_T": 2}
 # MANY_BLOCK_T: the rows per program of split calls that have many row tiles anyway (prefill's
-# mixes and router): a row's bits do not depend on its tile's height (the rows are the MMA's M;
-# each row's products and sums are its own), so the split decision keeps invariance. The mixes
+# mixes and router); same bits as 64-row programs, so batch invariance holds. The mixes
 # at 8192 rows 0.414 -> 0.255 ms, same bits (check_kernels mhc, H100, twentieth session; level
 # at 1 and 256 rows). Few-tile (decode) calls keep 64: the router's split kernel takes 127
 # registers at 64 rows (two programs an SM), 216 at 128 (sm_90 compile).
