@@ -5,9 +5,10 @@
 #   run(command="bash scripts/device_run.sh", carry=["devdata", ".device_wheels"])
 # Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline; also insitu8 and bench8: the
 # same with FP8 activations, insitu4: with FP4 experts, insitu_v4, golden_v4 and bench_v4: V4-Flash, ab, ncu,
-# profile), KERNEL_SECTIONS,
+# ncu_source, profile), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
-# BASELINE_CASES, BASELINE_TIMEOUT, BASELINE_CONFIG (v41 or v4), NCU_CASES, NCU_TIMEOUT, AB_CASES + AB_ENV (the bench's cases again under other kernel
+# BASELINE_CASES, BASELINE_TIMEOUT, BASELINE_CONFIG (v41 or v4), NCU_CASES, NCU_TIMEOUT (steps ncu and ncu_source;
+# ncu_source also NCU_KERNELS (a regex), NCU_SKIP, NCU_COUNT: launches skipped / profiled), AB_CASES + AB_ENV (the bench's cases again under other kernel
 # knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS='... ...'" (a variant is eval'd: quote a value with spaces), or bench flags: AB_ENV="AB_FLAGS=--fp4-experts"), KNOBS (module globals or dict entries the bench runs under, Python literals:
 # KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"; a dotted path
 # walks nested tables, digits indexing tuples: KNOBS=dsv4.ops.triton.moe:MOE.rows.4.1.gate_up.maxnreg=128),
@@ -132,6 +133,22 @@ if want ncu; then  # Nsight Compute on the bounding kernels (scripts/ncu_kernels
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters python scripts/ncu_kernels.py ${NCU_CASES:+--cases $NCU_CASES} >"$OUT/ncu.txt" 2>&1
     echo "rc=$?" | tee -a "$LOG"
     grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Issued Warp Per Scheduler|No Eligible|Registers Per|ERR" "$OUT/ncu.txt" | head -80
+  fi
+fi
+if want ncu_source; then  # where inside the kernels the stalls and shared-memory bank conflicts are (ncu's source page)
+  echo "=== ncu_source" | tee -a "$LOG"
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -z "$NCU" ]; then
+    echo "no ncu on this machine" | tee -a "$LOG"
+  else
+    # each case runs its kernels twice: skip the compiling launches (NCU_SKIP), profile the next NCU_COUNT
+    timeout "${NCU_TIMEOUT:-240}" "$NCU" --kernel-name regex:"${NCU_KERNELS:-_gate_up_kernel|_down_kernel|_w8a16_kernel|_logits_kernel|_pv_kernel}" \
+      --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-4}" --section SourceCounters --import-source yes --export "$OUT/source" \
+      python scripts/ncu_kernels.py ${NCU_CASES:+--cases $NCU_CASES} >"$OUT/ncu_source_run.txt" 2>&1
+    echo "rc=$?" | tee -a "$LOG"
+    "$NCU" --import "$OUT/source.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_source.csv" 2>>"$OUT/ncu_source_run.txt"
+    rm -f "$OUT/source.ncu-rep"
+    python scripts/ncu_kernels.py --summarize-source "$OUT/ncu_source.csv" 2>&1 | tee -a "$LOG" | head -80
   fi
 fi
 if want exact; then  # the same prefill in exact replay mode (every decoder layer on every token)

@@ -9,12 +9,20 @@ occupancy, DRAM bandwidth) where check_kernels.py only gives times:
 
 Each case runs its kernel twice (compile and warm-up, then the profiled launch) on the data
 check_kernels.py builds; scripts/device_run.sh's `ncu` step runs it and keeps the report.
+
+Where inside a kernel the time goes: its `ncu_source` step profiles with SourceCounters, writes
+ncu's source page (SASS) as CSV and prints `--summarize-source CSV`: per kernel the warp-stall
+samples and the excess shared-memory wavefronts (bank conflicts) by opcode, and the
+instructions with the most of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -89,10 +97,68 @@ CASES = {
 }
 
 
+STALLS = "Warp Stall Sampling (All Samples)"
+EXCESS = "L1 Wavefronts Shared Excessive"
+
+
+def _count(text: str) -> float:
+    """A CSV cell of ncu's (thousands separators, empty for none) as a number."""
+    text = text.replace(",", "").strip()
+    return float(text) if text else 0.0
+
+
+def _opcode(sass: str) -> str:
+    """The opcode of a SASS line without its predicate and modifiers ("@P1 LDGSTS.E.128 ..." -> "LDGSTS")."""
+    words = [w for w in sass.split() if not w.startswith("@")]
+    return words[0].split(".")[0] if words else "?"
+
+
+def source_summary(text: str, top: int = 8) -> dict[str, dict]:
+    """ncu's source page as CSV (`--page source --csv --print-source sass`; one block per kernel,
+    each opened by a "Kernel Name" line) -> per kernel: the warp-stall samples and the excess
+    shared wavefronts as shares by opcode, and the `top` instructions of each."""
+    out = {}
+    for block in text.split('"Kernel Name",')[1:]:
+        name, body = block.split("\n", 1)
+        rows = list(csv.DictReader(io.StringIO(body)))
+        kernel = name.strip().strip(",").strip('"')
+        missing = {STALLS, EXCESS, "Source"} - set(rows[0] if rows else ())
+        if missing:
+            raise ValueError(f"source page of {kernel}: no column(s) {sorted(missing)} (profile with --section SourceCounters)")
+        entry = {}
+        for key, column in (("stalls", STALLS), ("excess_shared", EXCESS)):
+            by_op = Counter()
+            for row in rows:
+                by_op[_opcode(row["Source"])] += _count(row[column])
+            total = sum(by_op.values())
+            ranked = sorted(rows, key=lambda r: -_count(r[column]))[:top]
+            entry[key] = {
+                "total": total,
+                "by_opcode": {op: n / total for op, n in by_op.most_common() if n} if total else {},
+                "top": [(row["Address"], row["Source"].strip(), _count(row[column])) for row in ranked if _count(row[column])],
+            }
+        out[kernel] = entry
+    return out
+
+
+def print_source_summary(path: str) -> None:
+    for kernel, entry in source_summary(Path(path).read_text()).items():
+        for key, title in (("stalls", "warp-stall samples"), ("excess_shared", "excess shared wavefronts")):
+            part = entry[key]
+            shares = ", ".join(f"{op} {share:.1%}" for op, share in list(part["by_opcode"].items())[:8])
+            print(f"{kernel}: {title} {part['total']:.0f}: {shares}")
+            for address, sass, n in part["top"]:
+                print(f"    {n:12.0f}  {address}  {sass[:90]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    parser.add_argument("--summarize-source", metavar="CSV", help="print the summary of ncu's source page (no GPU needed) and exit")
     args = parser.parse_args()
+    if args.summarize_source:
+        print_source_summary(args.summarize_source)
+        return 0
     names = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(names) - set(CASES))
     if unknown:

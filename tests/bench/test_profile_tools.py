@@ -1,5 +1,6 @@
 """The device profiling tools' CPU-runnable parts: `profile_step.torch_op_table` (an eager
-step's aten ops by source line) and `time_step_build.py` (the host's share of a graph step)."""
+step's aten ops by source line), `time_step_build.py` (the host's share of a graph step) and
+`ncu_kernels.source_summary` (Nsight Compute's source page by opcode)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,3 +43,44 @@ def test_time_step_build_prints_both_timings():
                          capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "a=2*1@300: build_step " in out.stdout and "build_step + load " in out.stdout
+
+
+_SOURCE_COLUMNS = '"Address","Source","Warp Stall Sampling (All Samples)","L1 Wavefronts Shared Excessive","L1 Wavefronts Shared"'
+
+
+def _source_page(kernel: str, rows: list[tuple[str, str, str, str]]) -> str:
+    lines = [f'"Kernel Name","{kernel}",', _SOURCE_COLUMNS]
+    lines += [",".join(f'"{cell}"' for cell in (address, sass, stalls, excess, "0")) for address, sass, stalls, excess in rows]
+    return "\n".join(lines) + "\n"
+
+
+def test_ncu_source_summary_groups_by_opcode():
+    """`ncu_kernels.source_summary` reads ncu's source-page CSV (one block per kernel, counts
+    with thousands separators, empty cells for none): shares by opcode without predicates or
+    modifiers, the top instructions by count."""
+    import ncu_kernels
+
+    text = _source_page("_pv_kernel", [
+        ("0x10", "@P1   LDGSTS.E.BYPASS.128 desc[UR4][R2.64], P1, [R3]", "100", "3,000"),
+        ("0x20", "LDSM.16.M88.4 R8, [R9]", "300", ""),
+        ("0x30", "LDGSTS.E.BYPASS.128 desc[UR4][R2.64+0x10], P1, [R3+0x10]", "", "1,000"),
+        ("0x40", "MUFU.EX2 R1, R2", "100", "0"),
+    ]) + _source_page("_logits_kernel", [("0x50", "STS.128 [R1], R4", "10", "5")])
+    summary = ncu_kernels.source_summary(text, top=2)
+    assert list(summary) == ["_pv_kernel", "_logits_kernel"]
+    pv = summary["_pv_kernel"]
+    assert pv["stalls"]["total"] == 500 and pv["stalls"]["by_opcode"] == {"LDSM": 0.6, "LDGSTS": 0.2, "MUFU": 0.2}
+    assert pv["excess_shared"]["by_opcode"] == {"LDGSTS": 1.0}
+    assert [address for address, _, _ in pv["excess_shared"]["top"]] == ["0x10", "0x30"]
+    assert [address for address, _, _ in pv["stalls"]["top"]] == ["0x20", "0x10"]
+    assert summary["_logits_kernel"]["excess_shared"]["top"] == [("0x50", "STS.128 [R1], R4", 5.0)]
+
+
+def test_ncu_source_summary_names_missing_counters():
+    """A source page profiled without SourceCounters has no stall or wavefront columns: the
+    error says which and how to get them."""
+    import ncu_kernels
+
+    text = '"Kernel Name","_pv_kernel",\n"Address","Source","# Samples"\n"0x10","MUFU.EX2 R1, R2","4"\n'
+    with pytest.raises(ValueError, match=r"_pv_kernel.*L1 Wavefronts Shared Excessive.*SourceCounters"):
+        ncu_kernels.source_summary(text)
