@@ -122,34 +122,30 @@ if want profile; then  # which kernels a step's time goes to (scripts/profile_st
   timeout "${PROFILE_TIMEOUT:-200}" python scripts/profile_step.py ${PROFILE_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768 d256_8k=256*1@8192 p8k=8192} \
     ${PROFILE_ARGS:-} --json "$OUT/profile.json" 2>&1 | grep -v -E "Warning|warn_once" | tee "$OUT/profile.txt" | tee -a "$LOG" | grep -E "^==" 
 fi
-if want ncu; then  # Nsight Compute on the bounding kernels (scripts/ncu_kernels.py), where the image has it
+# Nsight Compute, where the image has it: sets NCU, or says there is none (steps ncu, ncu_source)
+have_ncu() {
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { echo "no ncu on this machine" | tee -a "$LOG"; return 1; }
+}
+NCU_KERNEL_RE='_gate_up_kernel|_down_kernel|_w8a16_kernel|_logits_kernel|_pv_kernel'  # the kernels that bound the step
+if want ncu && have_ncu; then  # Nsight Compute on the bounding kernels (scripts/ncu_kernels.py)
   echo "=== ncu" | tee -a "$LOG"
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  if [ -z "$NCU" ]; then
-    echo "no ncu on this machine" | tee -a "$LOG"
-  else
-    timeout "${NCU_TIMEOUT:-240}" "$NCU" --kernel-name regex:'_gate_up_kernel|_down_kernel|_w8a16_kernel|_logits_kernel|_pv_kernel' \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
-      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters python scripts/ncu_kernels.py ${NCU_CASES:+--cases $NCU_CASES} >"$OUT/ncu.txt" 2>&1
-    echo "rc=$?" | tee -a "$LOG"
-    grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Issued Warp Per Scheduler|No Eligible|Registers Per|ERR" "$OUT/ncu.txt" | head -80
-  fi
+  timeout "${NCU_TIMEOUT:-240}" "$NCU" --kernel-name regex:"$NCU_KERNEL_RE" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters python scripts/ncu_kernels.py ${NCU_CASES:+--cases $NCU_CASES} >"$OUT/ncu.txt" 2>&1
+  echo "rc=$?" | tee -a "$LOG"
+  grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Issued Warp Per Scheduler|No Eligible|Registers Per|ERR" "$OUT/ncu.txt" | head -80
 fi
-if want ncu_source; then  # where inside the kernels the stalls and shared-memory bank conflicts are (ncu's source page)
+if want ncu_source && have_ncu; then  # where inside the kernels the stalls and shared-memory bank conflicts are (ncu's source page)
   echo "=== ncu_source" | tee -a "$LOG"
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  if [ -z "$NCU" ]; then
-    echo "no ncu on this machine" | tee -a "$LOG"
-  else
-    # each case runs its kernels twice: skip the compiling launches (NCU_SKIP), profile the next NCU_COUNT
-    timeout "${NCU_TIMEOUT:-240}" "$NCU" --kernel-name regex:"${NCU_KERNELS:-_gate_up_kernel|_down_kernel|_w8a16_kernel|_logits_kernel|_pv_kernel}" \
-      --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-4}" --section SourceCounters --import-source yes --export "$OUT/source" \
-      python scripts/ncu_kernels.py ${NCU_CASES:+--cases $NCU_CASES} >"$OUT/ncu_source_run.txt" 2>&1
-    echo "rc=$?" | tee -a "$LOG"
-    "$NCU" --import "$OUT/source.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_source.csv" 2>>"$OUT/ncu_source_run.txt"
-    rm -f "$OUT/source.ncu-rep"
-    python scripts/ncu_kernels.py --summarize-source "$OUT/ncu_source.csv" 2>&1 | tee -a "$LOG" | head -80
-  fi
+  # each case runs its kernels twice: skip the compiling launches (NCU_SKIP), profile the next NCU_COUNT
+  timeout "${NCU_TIMEOUT:-240}" "$NCU" --kernel-name regex:"${NCU_KERNELS:-$NCU_KERNEL_RE}" \
+    --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-4}" --section SourceCounters --import-source yes --export "$OUT/source" \
+    python scripts/ncu_kernels.py ${NCU_CASES:+--cases $NCU_CASES} >"$OUT/ncu_source_run.txt" 2>&1
+  echo "rc=$?" | tee -a "$LOG"
+  "$NCU" --import "$OUT/source.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_source.csv" 2>>"$OUT/ncu_source_run.txt"
+  rm -f "$OUT/source.ncu-rep"
+  python scripts/ncu_kernels.py --summarize-source "$OUT/ncu_source.csv" 2>&1 | tee -a "$LOG" | head -80
 fi
 if want exact; then  # the same prefill in exact replay mode (every decoder layer on every token)
   echo "=== exact" | tee -a "$LOG"
