@@ -98,8 +98,11 @@ CONFIG = {
 # Triton 3.6): two programs per SM instead of one, 6.18 -> 5.17 ms for an 8192-token chunk on
 # the H200 (attention_prefill, same bits; registers never change a result). The cache-key
 # form keeps its 245 (its dequantisation would spill).
-# pv_stages 3 (was 2): equal or faster at every size in attention_sweep S3-2 (T=1 50.2 -> 48.7 us,
-# T=8 52.8 -> 50.2, T=256 300 -> 296, a 4096-token chunk 4.12 -> 4.09 ms, T=64 level).
+# pv_stages: the compiler's pipeline depth for PV's window loop (its top-k loop loads a tile
+# ahead by itself). 3 (was 2): equal or faster at every size in attention_sweep S3-2, when it
+# pipelined both loops (T=1 50.2 -> 48.7 us, T=8 52.8 -> 50.2, T=256 300 -> 296, a 4096-token
+# chunk 4.12 -> 4.09 ms, T=64 level); with the top-k loop's own loads (S20-4, H100), 2 was
+# level but at T=64 (98.0 -> 95.3 us, both kernels).
 DSPLITS = (1, 2, 4, 8, 16, 32)
 AUTO_DSPLITS = (1, 2, 4, 8)  # "auto" above a few tokens (below: WIDE_DSPLITS)
 # "auto" while tokens x slices fit in one wave of programs: the widest that does. 32 slices of
