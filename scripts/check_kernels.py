@@ -2473,7 +2473,7 @@ def compile_targets() -> list[tuple]:
                     label = (f"moe {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={consts['BLOCK_K']} before={before} {dequant}"
                              f"{' pair-tiles' if variant['PAIR_TILES'] else ''}{' last-slot' if variant['LAST_SLOT'] else ''}")
                     out.append((label, kernel, dict(types, w_ptr="*u8:16") if variant["FP4"] else types, consts,
-                                moe.launch_options(part), "wgmma"))
+                                fp8_gemm.launch_options(part), "wgmma"))
     # the dense prefill path's FP4 dequantisation (rows of whole 128s: words read from their slots)
     dq4 = {"w_ptr": "*u8:16", "s_ptr": "*u8", "out_ptr": "*bf16:16", "N": i, "K": a, "stride_wn": a, "stride_sn": i, "stride_on": a}
     for slots in (False, True):
@@ -2487,7 +2487,7 @@ def compile_targets() -> list[tuple]:
                   "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True, "FP4": False, "LAST_SLOT": 0,
                   "FRAGMENT": True, "ACT_FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": False, "XREG": cfg["BLOCK_T"] <= moe.MOE["XREG_MAX_T"]}
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
-        out.append((label, moe._gate_up_kernel, gate_up, consts, moe.launch_options(part), "wgmma"))
+        out.append((label, moe._gate_up_kernel, gate_up, consts, fp8_gemm.launch_options(part), "wgmma"))
     # the FP8-activation kernels (fp8_act), every row class
     fp8_common = {k: v for k, v in common.items()}
     gate_up8 = dict(fp8_common, xq_ptr="*fp8e4nv:16", xs_ptr="*u8:16", aq_ptr="*fp8e4nv:16", as_ptr="*u8", stride_xq=a, stride_xs=i,
@@ -2502,7 +2502,7 @@ def compile_targets() -> list[tuple]:
                     stack = part.get("STACK", False)
                     consts.update(TOPK=7, HAS_LIMIT=True, STACK=stack, CH=part["BLOCK_N"] // 2 if stack else part["BLOCK_N"])
                 label = f"moe fp8-act {name} mean<={max_mean} BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']}{' pair-tiles' if pair_tiles else ''}"
-                out.append((label, kernel, types, consts, moe.launch_options(part), "wgmma"))
+                out.append((label, kernel, types, consts, fp8_gemm.launch_options(part), "wgmma"))
     align = {"ids_ptr": "*i64:16", "rows_ptr": "*i32:16", "tile_expert_ptr": "*i32:16", "n_pairs": i, "n_experts": i, "n_tiles": i}
     for e_block in (128, 512):
         bt = moe.MOE["rows"][0][1]["BLOCK_T"]

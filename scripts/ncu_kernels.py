@@ -49,7 +49,7 @@ def moe(t: int, fp4: bool = False) -> None:
 
 def moe_capped(t: int, maxnreg: int | None) -> None:
     """`moe(t)` with the prefill class's gate_up under another register cap (None: uncapped;
-    `moe.launch_options`)."""
+    `fp8_gemm.launch_options`)."""
     from dsv4.ops.triton import moe as moe_kernels
 
     gate_up = moe_kernels.MOE["rows"][-1][1]["gate_up"]

@@ -473,8 +473,8 @@ def test_moe_register_cap_is_a_launch_option(monkeypatch):
     where set); the results keep their bits (on the GPU the cap only changes how many
     programs an SM holds)."""
     part = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "STACK": True}
-    assert moe.launch_options(part) == {"num_warps": 8, "num_stages": 3}
-    assert moe.launch_options(dict(part, maxnreg=128)) == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
+    assert fp8_gemm.launch_options(part) == {"num_warps": 8, "num_stages": 3}
+    assert fp8_gemm.launch_options(dict(part, maxnreg=128)) == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
     t, top_k, n_exp, d, inter = 40, 2, 4, 64, 96
     g = _gen(77)
     x = (torch.randn(t, d, generator=g) * 2).bfloat16()
