@@ -469,16 +469,20 @@ def section_router() -> None:
 
 
 # Grouped-kernel tilings tried at prefill sizes: (BLOCK_T, gate_up (BLOCK_N, BLOCK_K, warps,
-# stages[, STACK[, maxnreg]]), down (...)[, MOE knobs]); the third is the largest row class's default. Prefill
-# at V4.1-Flash's 385 experts always takes these kernels (its bf16 expert copies would not fit
+# stages[, STACK[, maxnreg]]), down (...)[, MOE knobs]); the first is the default of the class up
+# to 200 pairs an expert, the fourth that of the class above. Prefill at V4.1-Flash's 385
+# experts always takes these kernels (its bf16 expert copies would not fit
 # `MOE["DENSE_TEMP_BYTES"]`): 8K tokens are ~150 pairs per expert.
 MOE_PREFILL_TILES = [
+    (128, (128, 128, 8, 3), (256, 64, 8, 3)),
     (128, (64, 64, 4, 3), (128, 64, 8, 3)),
     (128, (128, 64, 8, 3), (128, 64, 8, 3)),
-    # the default: stacked, under a register cap of 128 (no spill; without it 144 registers,
-    # one program an SM) — and uncapped
+    # stacked, under a register cap of 128 (no spill; without it 144 registers, one program an
+    # SM) — and uncapped, and with 256 down rows
     (128, (128, 64, 8, 3, True, 128), (128, 64, 8, 3)),
     (128, (128, 64, 8, 3, True), (128, 64, 8, 3)),
+    (128, (128, 64, 8, 3, True, 128), (256, 64, 8, 3)),
+    (128, (128, 128, 8, 3, True), (256, 64, 8, 3)),
     (128, (128, 128, 8, 3, True), (128, 128, 8, 3)),
     (256, (128, 64, 8, 3, True), (128, 64, 8, 3)),
     (128, (128, 64, 8, 4), (256, 64, 8, 3)),

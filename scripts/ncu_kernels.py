@@ -48,11 +48,11 @@ def moe(t: int, fp4: bool = False) -> None:
 
 
 def moe_capped(t: int, maxnreg: int | None) -> None:
-    """`moe(t)` with the prefill class's gate_up under another register cap (None: uncapped;
-    `fp8_gemm.launch_options`)."""
+    """`moe(t)` with the gate_up of the row class it takes under a register cap (None:
+    uncapped; `fp8_gemm.launch_options`)."""
     from dsv4.ops.triton import moe as moe_kernels
 
-    gate_up = moe_kernels.MOE["rows"][-1][1]["gate_up"]
+    gate_up = moe_kernels.moe_config(7 * t, 65)["gate_up"]  # top-6 + the shared expert over 65
     default = gate_up.get("maxnreg")
     gate_up["maxnreg"] = maxnreg
     try:
@@ -83,9 +83,9 @@ CASES = {
     "moe_t1": lambda: moe(1),
     "moe_t64": lambda: moe(64),
     "moe_fp4_t64": lambda: moe(64, fp4=True),
-    # the prefill class (hit=1024@100000's encoder layers: 1152 rows, ~124 pairs per expert)
+    # a prefill class (hit=1024@100000's encoder layers: 1152 rows, ~124 pairs per expert)
     "moe_t1152": lambda: moe(1152),
-    "moe_t1152_uncapped": lambda: moe_capped(1152, None),
+    "moe_t1152_capped": lambda: moe_capped(1152, 128),
     "wq_b_m1": lambda: w8a16("wq_b"),
     "wo_b_m1": lambda: w8a16("wo_b"),
     "wq_b_m64": lambda: w8a16("wq_b", 64),
@@ -93,6 +93,7 @@ CASES = {
     "wq_b_m256": lambda: w8a16("wq_b", 256),
     "attn_t1": lambda: attention(1),
     "attn_t64": lambda: attention(64),
+    "attn_t256": lambda: attention(256),
     "attn_t4096": lambda: attention(4096),
 }
 

@@ -153,12 +153,24 @@ MOE = {
             "gate_up": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
         }),
+        (200, {  # prefill up to 200 pairs an expert (V4.1-Flash's 385 experts below ~11K tokens;
+            # 65 experts from ~450 to ~1850): gate and up apart in 128-row accumulators over whole
+            # 128-input steps, uncapped, and 256 down rows a program. Two runs of the same tiles
+            # (twenty-first session, H100, ms, against the class below): 385 experts 4096 tokens
+            # 13.24 / 13.46 -> 10.98 / 10.89, 8192 tokens 19.63 / 19.47 -> 15.81 / 15.62;
+            # 65 experts 1152 tokens (hit=1024@100000's encoder rows) 2.76 / 2.37 -> 2.69 / 2.41
+            "BLOCK_T": 128,
+            "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+            "down": {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+        }),
         (None, {  # prefill: stacked gate/up (one [128, 128] accumulator at 8 warps), whole K
             # steps; moe_prefill S10-2, 8192 tokens: 385 experts 17.8 -> 16.7 ms, 65 experts
             # 13.8 -> 13.0 (4096 tokens 7.5 -> 6.7) against unstacked 64-row gate/up at 4 warps
             # in pieces; 256-row tiles were faster at 65 experts (11.9) but slower at 385 (19.8).
             # gate_up under a 128-register cap: ncu at 1152 rows of 65 experts 1.43 -> 1.18 ms;
-            # bench S15-1 hit=1024@100000 23.4 -> 22.3 ms, mix 21.6 -> 20.5 ms
+            # bench S15-1 hit=1024@100000 23.4 -> 22.3 ms, mix 21.6 -> 20.5 ms. Above 200 pairs an
+            # expert it stays the fastest measured (65 experts, 2048 tokens: 3.44 / 3.54 ms
+            # against 4.00 / 4.02 for the class above, twenty-first session)
             "BLOCK_T": 128,
             "gate_up": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "STACK": True, "maxnreg": 128},
             "down": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
