@@ -30,7 +30,7 @@ want() { [[ ",$STEPS," == *",$1,"* ]]; }
 bench() {
   local limit=$1
   shift
-  timeout "$limit" python - "$@" <<PY
+  timeout "$limit" python -P - "$@" <<PY  # -P: no cwd on sys.path, so PYTHONPATH picks the tree (AB_ENV's ab_old)
 import ast
 import importlib
 import sys
