@@ -1150,7 +1150,7 @@ def attention_cost(args: dict, decode: bool) -> tuple[float, float]:
 
 def attention_case(t: int) -> None:
     from dsv4.ops import attention as attention_ops
-    from dsv4.ops.triton import attention
+    from dsv4.ops.triton import attention, fp8_gemm
 
     decode = t <= 256
     args = attention_data(t, decode)
@@ -1163,6 +1163,14 @@ def attention_case(t: int) -> None:
     record("sparse_attention", case, "triton", ok=err <= 4 * 2**-8, err=err, **perf(t_k, nbytes, flops, "bf16"))
     t_r = median_time(lambda: attention_ops.sparse_attention_reference(**args), reps=3, warmup=1)
     record("sparse_attention", case, "torch_gather", **perf(t_r, nbytes, flops, "bf16"))
+    # the FP4 decoding in PTX (the compiled path) against Triton's fp32 form: the same values,
+    # so the same bits, with both channels of a pair (DSPLIT 1) and one (DSPLIT 2), from the
+    # cache (and the dense copy where the default reads it)
+    for cfg in ({"DSPLIT": 1, "DENSE_CKV": False}, {"DSPLIT": 2, "DENSE_CKV": False}, {}):
+        y = attention.sparse_attention(**args, config=cfg)
+        with patch.object(fp8_gemm, "FP8_CONVERT", "fp32"):
+            same = torch.equal(attention.sparse_attention(**args, config=cfg), y)
+        record("sparse_attention", f"{case} {attention_label(cfg)}", "ptx fp4 vs fp32 decode", ok=same, same_bits=same)
     plan = attention_plan(t, args["q"].device, attention.CONFIG)
     if plan["DENSE_CKV"]:  # the default read the dense copy: the cache-key form too, and its bits
         y = attention.sparse_attention(**args)
@@ -2592,7 +2600,7 @@ def attention_compile_targets() -> list[tuple]:
     for cfg in attention_logit_variants():
         c = {**attention.CONFIG, **cfg}
         for dense, stages in [(False, c["dense_stages"])] + ([(True, c["dense_stages"])] if default(c, ATTN_LOGIT_KEYS) else []):
-            consts = dict(shape, BLOCK_H=c["LOGIT_BLOCK_H"], BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"], DENSE=dense, DENSE_STAGES=stages, **V41_FORMATS)
+            consts = dict(shape, BLOCK_H=c["LOGIT_BLOCK_H"], BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"], DENSE=dense, DENSE_STAGES=stages, PTX=True, **V41_FORMATS)
             label = (f"attention logits BH={c['LOGIT_BLOCK_H']} BN={c['LOGIT_BLOCK_N']} piece={c['PIECE']} w={c['logit_warps']} s={c['logit_stages']}"
                      + (f" dense s={stages} maxnreg={c['dense_logit_maxnreg']}" if dense else ""))
             options = {"num_warps": c["logit_warps"], "num_stages": c["logit_stages"]}
@@ -2603,7 +2611,8 @@ def attention_compile_targets() -> list[tuple]:
         c = {**attention.CONFIG, **cfg}
         n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-ATTN_SHAPE["top"] // c["LOGIT_BLOCK_N"])
         for dense in (False, True) if default(c, ATTN_PV_KEYS) else (False,):
-            consts = dict(shape, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"], DENSE=dense, PIECE=c["PIECE"], **V41_FORMATS)
+            consts = dict(shape, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"], DENSE=dense, PIECE=c["PIECE"], PTX=True,
+                          **V41_FORMATS)
             label = f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']} tiles={n_tiles}{' dense' if dense else ''}"
             out.append((label, attention._pv_kernel, pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
     # V4-Flash: bf16 ring and compressed KV (the wrapper passes the values in the scale slots),
@@ -2612,7 +2621,7 @@ def attention_compile_targets() -> list[tuple]:
     raw = {n: "*bf16:16" for n in ("ring_ptr", "ring_scale_ptr", "ckv_ptr", "ckv_scale_ptr")}
     c = attention.CONFIG
     for per_block, top in ((64, 512), (2, 8192)):
-        formats = dict(RING_RAW=True, CKV_RAW=True, SKIP_EMPTY=top > attention.SKIP_EMPTY_MIN_ENTRIES)
+        formats = dict(RING_RAW=True, CKV_RAW=True, SKIP_EMPTY=top > attention.SKIP_EMPTY_MIN_ENTRIES, PTX=True)
         for bh in attention.LOGIT_BLOCK_HS:
             consts = dict(shape, PER_BLOCK=per_block, BLOCK_H=bh, BLOCK_N=c["LOGIT_BLOCK_N"], PIECE=c["PIECE"], DENSE=False,
                           DENSE_STAGES=c["dense_stages"], **formats)
@@ -2626,7 +2635,8 @@ def attention_compile_targets() -> list[tuple]:
                         {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
     copy = {"ckv_ptr": "*u8:16", "ckv_scale_ptr": "*fp8e4nv:16", "block_table_ptr": "*i64:16", "dense_ptr": "*bf16:16", "n_blocks": "i32", "entries": a, "stride_bt": a}
     out.append(("attention dense copy", attention._dense_ckv_kernel, copy,
-                {"PER_BLOCK": ATTN_SHAPE["per_block"], "DIM": ATTN_SHAPE["dim"], "PIECE": attention.CONFIG["PIECE"], "ROWS": attention.DENSE_ROWS}, {"num_warps": 4}))
+                {"PER_BLOCK": ATTN_SHAPE["per_block"], "DIM": ATTN_SHAPE["dim"], "PIECE": attention.CONFIG["PIECE"], "ROWS": attention.DENSE_ROWS, "PTX": True},
+                {"num_warps": 4}))
     return out
 
 

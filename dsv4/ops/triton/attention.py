@@ -57,6 +57,9 @@ a uint16 of the FP8 ring two e4m3 codes, an int32 of kv_new / q / V4's bf16 cach
 values, so every dequantisation is a plain load and nibble / byte / half extraction, never an
 interleave. Each cache's format is a constexpr of both kernels (RING_RAW, CKV_RAW: bf16 values).
 
+V4.1's FP4 entries are decoded by byte permutes, shifts, masks and two exact bf16x2 multiplies
+per two values on compiled CUDA (`_fp4_ptx`), through fp16 and fp32 in the interpreter: the
+same values (the `attention` device section checks the bits).
 Prefill-sized steps read V4.1's FP4 compressed entries from a bf16 copy instead (DENSE_CKV below),
 stored per entry in operand pieces: piece c holds the even channels of pairs c*PIECE ..
 (c+1)*PIECE - 1, then their odd channels, so a logits piece is two contiguous runs.
@@ -68,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import e8m0_to_fp32, num_sms
+from dsv4.ops.triton.fp8_gemm import e8m0_to_fp32, num_sms, ptx_convert
 
 # constexpr: the kernels read them (Python code uses .value)
 RING_SCALE_BLOCK = tl.constexpr(32)  # ue8m0 byte per 32 channels of a window key
@@ -148,6 +151,32 @@ def _e2m1_over_2e14(code):
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+# The compiled path's FP4 decoding (`PTX`), on four entry bytes (channel pairs c .. c + 3, the
+# even channel in each low nibble; Triton hands them over packed in one register): two byte
+# permutes spread bytes 0, 1 and 2, 3 over the halves of a word, so that a pair's nibble sits at
+# bits 0..3 of each half (shifted right by 4: the odd channels'); shifted left by 12 and by 6
+# and masked, its sign lands on a bf16 sign bit and its exponent and mantissa bits on the
+# exponent's two low bits and the mantissa's top bit: a bf16 pair of the e2m1 values times
+# 2**-126 (code 1, 0.5, on the bf16 subnormal 2**-127). One exact bf16x2 multiply by 2**126
+# and one by the entry's E4M3 scale (exact in bf16) give the bf16 values `_e2m1_over_2e14`
+# times the scale give, rounded — exact either way (two and four significant bits): the same
+# bits, with the permutes, shifts, masks and two multiplies per two values instead of
+# conversions through fp16 and fp32.
+def _fp4_ptx(shift: str) -> str:
+    """PTX: the 4 bytes (a pack) in $2 -> the bf16 values of their nibbles at bits `shift` in
+    $0 (bytes 0, 1) and $1 (bytes 2, 3), times their scales ($3: bytes 0, 1; $4: bytes 2, 3)."""
+    def pair(src: str, out: str, scale: str) -> str:
+        return (f"shl.b32 a, {src}, 12;\nshl.b32 b, {src}, 6;\nand.b32 a, a, 0x80008000;\nand.b32 b, b, 0x01C001C0;\n"
+                f"or.b32 a, a, b;\nmul.rn.bf16x2 a, a, k;\nmul.rn.bf16x2 {out}, a, {scale};\n")
+    return ("{\n.reg .b32 x, y, a, b, k;\nmov.b32 k, 0x7E807E80;\nprmt.b32 x, $2, 0, 0x4140;\nprmt.b32 y, $2, 0, 0x4342;\n"
+            f"shr.u32 x, x, {shift};\nshr.u32 y, y, {shift};\n" + pair("x", "$0", "$3") + pair("y", "$1", "$4") + "}")
+
+
+_FP4_EVEN_PTX = tl.constexpr(_fp4_ptx("0"))
+_FP4_ODD_PTX = tl.constexpr(_fp4_ptx("4"))
+_FP4_PARITY_PTX = tl.constexpr(_fp4_ptx("$5"))  # the shift (0 or 4) an input: $5 (of the pack's $5 .. $8)
+
+
 @triton.jit
 def _fp8_code(byte):
     return (byte & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -173,24 +202,37 @@ def _fp4_bytes(ckv_ptr, loc, valid, p0, NP: tl.constexpr, DIM: tl.constexpr):
 
 @triton.jit
 def _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par,
-               NP: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr):
+               NP: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, PTX: tl.constexpr):
     """Channel pairs p0 .. p0 + NP of the compressed entries at cache rows loc, with their
     scales [BLOCK_N, NP / 8], as bf16 [BLOCK_N, NP] (0 where not valid): (even, odd) channels
     if BOTH, else channel 2p + par twice."""
-    return _fp4_decode(_fp4_bytes(ckv_ptr, loc, valid, p0, NP, DIM), scale, par, NP, BLOCK_N, BOTH)
+    return _fp4_decode(_fp4_bytes(ckv_ptr, loc, valid, p0, NP, DIM), scale, par, NP, BLOCK_N, BOTH, PTX)
 
 
 @triton.jit
-def _fp4_decode(byte, scale, par, NP: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr):
+def _fp4_decode(byte, scale, par, NP: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, PTX: tl.constexpr):
     """`_fp4_pairs` of the loaded bytes [BLOCK_N, NP / 8, 8] and scales [BLOCK_N, NP / 8]."""
-    byte = byte.to(tl.int32)
-    scale = scale[:, :, None] * 16384.0
-    if BOTH:
-        lo = tl.reshape(_e2m1_over_2e14(byte) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
-        hi = tl.reshape(_e2m1_over_2e14(byte >> 4) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
-        return lo, hi
-    v = tl.reshape(_e2m1_over_2e14(byte >> (4 * par)) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
-    return v, v
+    if PTX:  # (if / else: the other form's code would be built too)
+        per_byte = tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], byte.shape)  # a pack of 4: two bf16 pairs
+        if BOTH:
+            lo = tl.inline_asm_elementwise(_FP4_EVEN_PTX, "=r,=r,r,r,r", [byte, per_byte], dtype=tl.bfloat16, is_pure=True, pack=4)
+            hi = tl.inline_asm_elementwise(_FP4_ODD_PTX, "=r,=r,r,r,r", [byte, per_byte], dtype=tl.bfloat16, is_pure=True, pack=4)
+        else:
+            shift = tl.zeros(byte.shape, tl.int32) + 4 * par
+            lo = tl.inline_asm_elementwise(_FP4_PARITY_PTX, "=r,=r,r,r,r,r,r,r,r", [byte, per_byte, shift], dtype=tl.bfloat16, is_pure=True, pack=4)
+            hi = lo
+        lo = tl.reshape(lo, (BLOCK_N, NP))
+        hi = tl.reshape(hi, (BLOCK_N, NP))
+    else:
+        byte = byte.to(tl.int32)
+        scale = scale[:, :, None] * 16384.0
+        if BOTH:
+            lo = tl.reshape(_e2m1_over_2e14(byte) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
+            hi = tl.reshape(_e2m1_over_2e14(byte >> 4) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
+        else:
+            lo = tl.reshape(_e2m1_over_2e14(byte >> (4 * par)) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
+            hi = lo
+    return lo, hi
 
 
 @triton.jit
@@ -273,7 +315,7 @@ def _dense_pairs(dense_ptr, row, valid, p0, par, NP: tl.constexpr, DIM: tl.const
 
 @triton.jit
 def _dense_ckv_kernel(ckv_ptr, ckv_scale_ptr, block_table_ptr, dense_ptr, n_blocks, entries, stride_bt,
-                      PER_BLOCK: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr, ROWS: tl.constexpr):
+                      PER_BLOCK: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr, ROWS: tl.constexpr, PTX: tl.constexpr):
     """Program (request b, run of ROWS entries j < entries): entry j of b's compressed sequence
     (cache row block_tables[b, j // P] * P + j % P) to dense row b * entries + j, in operand
     pieces (module docstring); 0 where the table holds no cache block (-1 padding)."""
@@ -284,7 +326,7 @@ def _dense_ckv_kernel(ckv_ptr, ckv_scale_ptr, block_table_ptr, dense_ptr, n_bloc
     valid = in_seq & (block >= 0) & (block < n_blocks)
     loc = tl.where(valid, block, 0) * PER_BLOCK + j % PER_BLOCK
     scale = _fp4_scales(ckv_scale_ptr, loc, valid, 0, DIM // CKV_SCALE_BLOCK, DIM)
-    lo, hi = _fp4_pairs(ckv_ptr, scale, loc, valid, 0, 0, DIM // 2, DIM, ROWS, True)
+    lo, hi = _fp4_pairs(ckv_ptr, scale, loc, valid, 0, 0, DIM // 2, DIM, ROWS, True, PTX)
     pair = tl.arange(0, DIM // 2)
     dst = dense_ptr + (req * entries + j)[:, None] * DIM + _dense_offsets(pair, PIECE)[None, :]
     tl.store(dst, lo, mask=in_seq[:, None])
@@ -345,11 +387,12 @@ def _logits_kernel(
     stride_qt, stride_qh, stride_kv, stride_top, stride_bt,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DENSE: tl.constexpr, DENSE_STAGES: tl.constexpr,
-    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr, PTX: tl.constexpr,
 ):
     """Program (token, head block, run of tiles_per_program logits tiles). DENSE: the
     compressed keys from the dense copy (dense_rows rows per request). RING_RAW / CKV_RAW: the
-    ring / the compressed KV hold bf16 values (no scales)."""
+    ring / the compressed KV hold bf16 values (no scales). PTX: FP4 entries decoded by
+    `_fp4_ptx` (compiled CUDA; the interpreter takes the fp32 form, the same values)."""
     tok = tl.program_id(0).to(tl.int64)
     req = tl.load(token_req_ptr + tok)
     pos = tl.load(pos_ptr + tok)
@@ -420,7 +463,7 @@ def _logits_kernel(
                         k_lo, k_hi = _bf16_pairs(ckv_ptr, loc, valid, c * PIECE, 0, PIECE, DIM, True)
                     else:
                         scale = tl.sum(tl.where(which == c, scales, 0.0), axis=1)
-                        k_lo, k_hi = _fp4_pairs(ckv_ptr, scale, loc, valid, c * PIECE, 0, PIECE, DIM, BLOCK_N, True)
+                        k_lo, k_hi = _fp4_pairs(ckv_ptr, scale, loc, valid, c * PIECE, 0, PIECE, DIM, BLOCK_N, True, PTX)
                     s_t = tl.dot(k_lo, q_lo[c], s_t)
                     s_t = tl.dot(k_hi, q_hi[c], s_t)
             _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, WINDOW + c_idx, c_idx < n_top, tok, tile, n_tiles, heads, h_ok, H, n_keys)
@@ -479,7 +522,8 @@ def _top_values(ckv_ptr, ckv_scale_ptr, dense_ptr, entry, block, req, dense_rows
 
 
 @triton.jit
-def _top_decode(x, y, par, NP: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, DENSE: tl.constexpr, CKV_RAW: tl.constexpr):
+def _top_decode(x, y, par, NP: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, DENSE: tl.constexpr, CKV_RAW: tl.constexpr,
+                PTX: tl.constexpr):
     """`_top_values`' loads as the bf16 (even, odd) channels the PV product takes."""
     if DENSE:
         return x, y
@@ -487,7 +531,7 @@ def _top_decode(x, y, par, NP: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.con
         if CKV_RAW:
             return _bf16_halves(x, par, BOTH)
         else:
-            return _fp4_decode(x, y, par, NP, BLOCK_N, BOTH)
+            return _fp4_decode(x, y, par, NP, BLOCK_N, BOTH, PTX)
 
 
 @triton.jit
@@ -498,12 +542,12 @@ def _pv_kernel(
     stride_kv, stride_top, stride_bt, stride_ot, stride_oh,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr, N_TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr, DENSE: tl.constexpr, PIECE: tl.constexpr,
-    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr, PTX: tl.constexpr,
 ):
     """Program (token, head block x channel slice): slice 2r + par of DSPLIT holds channels
     2p + par for the pairs p of range r (DSPLIT = 1: every channel, as two halves). DENSE: the
     compressed values from the dense copy (pieces of PIECE pairs). RING_RAW / CKV_RAW: the
-    ring / the compressed KV hold bf16 values (no scales)."""
+    ring / the compressed KV hold bf16 values (no scales). PTX: as the logits kernel's."""
     BOTH: tl.constexpr = DSPLIT == 1
     NP: tl.constexpr = DIM // 2 if DSPLIT <= 2 else DIM // DSPLIT  # channel pairs of the slice
     tok = tl.program_id(0).to(tl.int64)
@@ -567,7 +611,7 @@ def _pv_kernel(
             taken = tl.max((entry >= 0).to(tl.int32), axis=0) > 0
         if taken:
             p = tl.exp(s_t - m[:, None])
-            v_a, v_b = _top_decode(x, y, par, NP, BLOCK_N, BOTH, DENSE, CKV_RAW)
+            v_a, v_b = _top_decode(x, y, par, NP, BLOCK_N, BOTH, DENSE, CKV_RAW, PTX)
             acc_a = tl.dot(p.to(tl.bfloat16), v_a, acc_a)
             if BOTH:
                 acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
@@ -703,7 +747,7 @@ def dense_ckv(ckv_codes: torch.Tensor, ckv_scales: torch.Tensor, block_tables: t
     if dense.numel():
         _dense_ckv_kernel[(requests, triton.cdiv(entries, DENSE_ROWS))](
             ckv_codes, ckv_scales, block_tables, dense, n_blocks, entries, block_tables.stride(0),
-            PER_BLOCK=per_block, DIM=2 * half, PIECE=piece, ROWS=DENSE_ROWS, num_warps=4,
+            PER_BLOCK=per_block, DIM=2 * half, PIECE=piece, ROWS=DENSE_ROWS, PTX=ptx_convert(ckv_codes.device), num_warps=4,
         )
     return dense
 
@@ -776,7 +820,7 @@ def sparse_attention(
     logits = torch.empty(tokens, h, n_keys, dtype=torch.bfloat16, device=q.device)
     stats = torch.empty(tokens, n_tiles, h, 2, dtype=torch.float32, device=q.device)
     lbh = plan["LOGIT_BLOCK_H"]
-    formats = {"RING_RAW": ring_raw, "CKV_RAW": ckv_raw, "SKIP_EMPTY": n_top > SKIP_EMPTY_MIN_ENTRIES}
+    formats = {"RING_RAW": ring_raw, "CKV_RAW": ckv_raw, "SKIP_EMPTY": n_top > SKIP_EMPTY_MIN_ENTRIES, "PTX": ptx_convert(q.device)}
     # the tokens in slices of `tokens` rows; kv_new and the per-request tensors stay whole (a
     # token's window reads its request's rows of kv_new, which may lie in another slice)
     for t0 in range(0, t, tokens):
