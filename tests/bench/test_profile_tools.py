@@ -1,6 +1,7 @@
 """The device profiling tools' CPU-runnable parts: `profile_step.torch_op_table` (an eager
-step's aten ops by source line), `time_step_build.py` (the host's share of a graph step) and
-`ncu_kernels.source_summary` (Nsight Compute's source page by opcode)."""
+step's aten ops by source line), `time_step_build.py` (the host's share of a graph step),
+`ncu_kernels.source_summary` (Nsight Compute's source page by opcode) and device_run.sh's
+`bench` (which tree an A/B variant imports)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,28 @@ def test_ncu_source_summary_names_missing_counters():
     text = '"Kernel Name","_pv_kernel",\n"Address","Source","# Samples"\n"0x10","MUFU.EX2 R1, R2","4"\n'
     with pytest.raises(ValueError, match=r"_pv_kernel.*L1 Wavefronts Shared Excessive.*SourceCounters"):
         ncu_kernels.source_summary(text)
+
+
+def _fake_tree(root: Path, name: str) -> None:
+    """A package `dsv4` under root whose `cli.main` prints `name` and its arguments."""
+    (root / "dsv4").mkdir(parents=True)
+    (root / "dsv4" / "__init__.py").write_text("")
+    (root / "dsv4" / "cli.py").write_text(f"def main(argv):\n    print({name!r}, argv)\n    return 0\n")
+
+
+@pytest.mark.parametrize("tree", ["old", "new"])
+def test_device_run_bench_imports_the_tree_pythonpath_names(tmp_path, tree):
+    """device_run.sh's `bench` runs from the checkout's root, where its own dsv4/ sits; an A/B
+    variant's PYTHONPATH (AB_ENV='PYTHONPATH=$PWD/ab_old') must still decide which tree the
+    bench imports (a stdin script's directory would otherwise come first on sys.path)."""
+    script = (REPO / "scripts" / "device_run.sh").read_text()
+    start = script.index("bench() {")
+    function = script[start : script.index("\n}\n", start) + 3]
+    checkout = tmp_path / "checkout"
+    _fake_tree(checkout, "new")
+    _fake_tree(checkout / "ab_old", "old")
+    path = checkout / "ab_old" if tree == "old" else checkout
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(path), "KNOBS": ""}
+    out = subprocess.run(["bash", "-c", function + "\nbench 60 --cases x"], cwd=checkout, env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split() == [tree, "['bench',", "'forward',", "'--cases',", "'x']"], out
