@@ -71,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import e8m0_to_fp32, num_sms, ptx_convert
+from dsv4.ops.triton.fp8_gemm import e2m1_pair_ptx, e8m0_to_fp32, num_sms, ptx_convert
 
 # constexpr: the kernels read them (Python code uses .value)
 RING_SCALE_BLOCK = tl.constexpr(32)  # ue8m0 byte per 32 channels of a window key
@@ -154,22 +154,17 @@ def _e2m1_over_2e14(code):
 # The compiled path's FP4 decoding (`PTX`), on four entry bytes (channel pairs c .. c + 3, the
 # even channel in each low nibble; Triton hands them over packed in one register): two byte
 # permutes spread bytes 0, 1 and 2, 3 over the halves of a word, so that a pair's nibble sits at
-# bits 0..3 of each half (shifted right by 4: the odd channels'); shifted left by 12 and by 6
-# and masked, its sign lands on a bf16 sign bit and its exponent and mantissa bits on the
-# exponent's two low bits and the mantissa's top bit: a bf16 pair of the e2m1 values times
-# 2**-126 (code 1, 0.5, on the bf16 subnormal 2**-127). One exact bf16x2 multiply by 2**126
-# and one by the entry's E4M3 scale (exact in bf16) give the bf16 values `_e2m1_over_2e14`
-# times the scale give, rounded — exact either way (two and four significant bits): the same
-# bits, with the permutes, shifts, masks and two multiplies per two values instead of
-# conversions through fp16 and fp32.
+# bits 0..3 of each half (shifted right by 4: the odd channels'), then the FP4 experts' bit
+# placement (`fp8_gemm.e2m1_pair_ptx`: the e2m1 values times 2**-126 as bf16 pairs) and two
+# exact bf16x2 multiplies, by 2**126 and by the entry's E4M3 scale (exact in bf16): the values
+# `_e2m1_over_2e14` times the scale give, rounded — exact either way (two and four significant
+# bits), so the same bits without the conversions through fp16 and fp32.
 def _fp4_ptx(shift: str) -> str:
     """PTX: the 4 bytes (a pack) in $2 -> the bf16 values of their nibbles at bits `shift` in
     $0 (bytes 0, 1) and $1 (bytes 2, 3), times their scales ($3: bytes 0, 1; $4: bytes 2, 3)."""
-    def pair(src: str, out: str, scale: str) -> str:
-        return (f"shl.b32 a, {src}, 12;\nshl.b32 b, {src}, 6;\nand.b32 a, a, 0x80008000;\nand.b32 b, b, 0x01C001C0;\n"
-                f"or.b32 a, a, b;\nmul.rn.bf16x2 a, a, k;\nmul.rn.bf16x2 {out}, a, {scale};\n")
     return ("{\n.reg .b32 x, y, a, b, k;\nmov.b32 k, 0x7E807E80;\nprmt.b32 x, $2, 0, 0x4140;\nprmt.b32 y, $2, 0, 0x4342;\n"
-            f"shr.u32 x, x, {shift};\nshr.u32 y, y, {shift};\n" + pair("x", "$0", "$3") + pair("y", "$1", "$4") + "}")
+            f"shr.u32 x, x, {shift};\nshr.u32 y, y, {shift};\n"
+            + e2m1_pair_ptx("x", "$0", "$3", two_step=True) + e2m1_pair_ptx("y", "$1", "$4", two_step=True) + "}")
 
 
 _FP4_EVEN_PTX = tl.constexpr(_fp4_ptx("0"))

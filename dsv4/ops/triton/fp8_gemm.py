@@ -215,12 +215,19 @@ def dequant_word_step(words, scale_word, k0, BLOCK_K: tl.constexpr):
 # subnormal code 0.5 lands on the bf16 subnormal 2**-127). One bf16x2 multiply by the row's
 # scale times 2**126 (the second operand, its bits in both halves) makes them exact: no
 # conversion unit, and the FP8 permute's instruction count per input.
-def _e2m1_pair_ptx(i: int) -> str:
+def e2m1_pair_ptx(src: str, out: str, scale: str, two_step: bool) -> str:
+    """PTX: the bf16 pair of the e2m1 codes at bits 0..3 and 16..19 of register `src` (above),
+    times the pair `scale` into `out`; `two_step`: first times 2**126 (register k, below), then
+    the scale. Also the attention kernels' FP4 decoding (`attention._fp4_ptx`)."""
+    bits = (f"shl.b32 a, {src}, 12;\nshl.b32 b, {src}, 6;\nand.b32 a, a, 0x80008000;\n"
+            f"and.b32 b, b, 0x01C001C0;\nor.b32 a, a, b;\n")
+    return bits + ("mul.rn.bf16x2 a, a, k;\n" if two_step else "") + f"mul.rn.bf16x2 {out}, a, {scale};\n"
+
+
+def _e2m1_pair_ptx(i: int, two_step: bool = False) -> str:
     """PTX of output pair i of `_E2M1_TO_BF16_PTX` (input $4, scale pair $5)."""
-    shifted = "$4" if i == 0 else "r"
     shift = "" if i == 0 else f"shr.u32 r, $4, {4 * i};\n"
-    return (f"{shift}shl.b32 a, {shifted}, 12;\nshl.b32 b, {shifted}, 6;\nand.b32 a, a, 0x80008000;\n"
-            f"and.b32 b, b, 0x01C001C0;\nor.b32 a, a, b;\nmul.rn.bf16x2 ${i}, a, $5;\n")
+    return shift + e2m1_pair_ptx("$4" if i == 0 else "r", f"${i}", "$5", two_step)
 
 
 _E2M1_TO_BF16_PTX = tl.constexpr("{\n.reg .b32 r, a, b;\n" + "".join(_e2m1_pair_ptx(i) for i in range(4)) + "}")
@@ -231,12 +238,8 @@ _E2M1_TO_BF16_PTX = tl.constexpr("{\n.reg .b32 r, a, b;\n" + "".join(_e2m1_pair_
 # exact multiply by 2**126 (bf16 0x7E80) gives the e2m1 values, then one by 2**(byte - 127)
 # ($5, both halves), exact for every byte 1 .. 254 (a product that underflows bf16's normals
 # lands on its subnormals exactly: e2m1 values have two significant bits).
-def _e2m1_pair_two_step_ptx(i: int) -> str:
-    return _e2m1_pair_ptx(i).replace(f"mul.rn.bf16x2 ${i}, a, $5;", f"mul.rn.bf16x2 a, a, k;\nmul.rn.bf16x2 ${i}, a, $5;")
-
-
 _E2M1_TO_BF16_TWO_STEP_PTX = tl.constexpr("{\n.reg .b32 r, a, b, k;\nmov.b32 k, 0x7E807E80;\n"
-                                          + "".join(_e2m1_pair_two_step_ptx(i) for i in range(4)) + "}")
+                                          + "".join(_e2m1_pair_ptx(i, two_step=True) for i in range(4)) + "}")
 
 
 @triton.jit
