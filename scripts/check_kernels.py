@@ -2541,9 +2541,9 @@ def compile_targets() -> list[tuple]:
                     {"TOP_K": 6, "NORMALIZE": True, "FIXED": fixed, "EXTRA": True, "E_BLOCK": 256, "K_BLOCK": 8}, {"num_warps": 1}))
     dequant = {"w_ptr": "*fp8e4nv:16", "s_ptr": "*u8:16", "out_ptr": "*bf16:16", "N": a, "K": a, "stride_wn": a, "stride_sn": a, "stride_on": a}
     for qrows, qcols in ((32, 32), (1, 32)):
+        block_r, block_c, warps = fp8_gemm.dequant_tile(qcols)
         out.append((f"dequant fp8 scales {qrows}x{qcols}", fp8_gemm._dequant_kernel, dequant,
-                    {"QROWS": qrows, "QCOLS": qcols, "BLOCK_R": fp8_gemm.DEQUANT_TILE["BLOCK_R"], "BLOCK_C": max(qcols, fp8_gemm.DEQUANT_TILE["BLOCK_C"]), "PTX": True},
-                    {"num_warps": fp8_gemm.DEQUANT_TILE["num_warps"]}))
+                    {"QROWS": qrows, "QCOLS": qcols, "BLOCK_R": block_r, "BLOCK_C": block_c, "PTX": True}, {"num_warps": warps}))
     from dsv4.ops.triton import rowwise
 
     norm = {"x_ptr": "*bf16:16", "w_ptr": "*bf16:16", "out_ptr": "*bf16:16", "stride_x": a, "stride_o": a, "N": a, "eps": f}

@@ -985,6 +985,11 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on
 DEQUANT_TILE = {"BLOCK_R": 32, "BLOCK_C": 512, "num_warps": 8}
 
 
+def dequant_tile(qcols: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps) of `dequant_fp8`'s launch for scales `qcols` inputs wide."""
+    return DEQUANT_TILE["BLOCK_R"], max(qcols, DEQUANT_TILE["BLOCK_C"]), DEQUANT_TILE["num_warps"]
+
+
 def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bool) -> torch.Tensor:
     """FP8 weight -> bf16 in one pass (1 byte read, 2 written per weight): one E8M0 scale per
     `block` x `block` tile, or per 32 inputs of a row (`row_scales`); exactly
@@ -996,10 +1001,10 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bo
     if tuple(scale.shape) != (triton.cdiv(n, qrows), triton.cdiv(k, qcols)) or w.dtype != torch.float8_e4m3fn:
         raise ValueError(f"dequant_fp8: weight float8_e4m3fn {[n, k]} needs scales {[triton.cdiv(n, qrows), triton.cdiv(k, qcols)]}, got {w.dtype} {list(scale.shape)}")
     out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
-    block_r, block_c = DEQUANT_TILE["BLOCK_R"], max(qcols, DEQUANT_TILE["BLOCK_C"])
+    block_r, block_c, warps = dequant_tile(qcols)
     _dequant_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_c))](
         w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0),
-        QROWS=qrows, QCOLS=qcols, BLOCK_R=block_r, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=DEQUANT_TILE["num_warps"],
+        QROWS=qrows, QCOLS=qcols, BLOCK_R=block_r, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=warps,
     )
     return out
 
