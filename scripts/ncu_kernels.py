@@ -100,6 +100,7 @@ CASES = {
 
 STALLS = "Warp Stall Sampling (All Samples)"
 EXCESS = "L1 Wavefronts Shared Excessive"
+INSTRUCTIONS = "Instructions Executed"  # warp-level; with the stall reasons (stall_*) below, read when present
 
 
 def _count(text: str) -> float:
@@ -117,7 +118,9 @@ def _opcode(sass: str) -> str:
 def source_summary(text: str, top: int = 8) -> dict[str, dict]:
     """ncu's source page as CSV (`--page source --csv --print-source sass`; one block per kernel,
     each opened by a "Kernel Name" line) -> per kernel: the warp-stall samples and the excess
-    shared wavefronts as shares by opcode, and the `top` instructions of each."""
+    shared wavefronts as shares by opcode, and the `top` instructions of each; where the page
+    has them, the executed warp instructions by opcode and the stall samples by reason (its
+    `stall_*` columns, all samples)."""
     out = {}
     for block in text.split('"Kernel Name",')[1:]:
         name, body = block.split("\n", 1)
@@ -138,6 +141,17 @@ def source_summary(text: str, top: int = 8) -> dict[str, dict]:
                 "by_opcode": {op: n / total for op, n in by_op.most_common() if n} if total else {},
                 "top": [(row["Address"], row["Source"].strip(), _count(row[column])) for row in ranked if _count(row[column])],
             }
+        if INSTRUCTIONS in rows[0]:
+            by_op = Counter()
+            for row in rows:
+                by_op[_opcode(row["Source"])] += _count(row[INSTRUCTIONS])
+            total = sum(by_op.values())
+            entry["instructions"] = {"total": total, "by_opcode": {op: n / total for op, n in by_op.most_common() if n} if total else {}}
+        reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+        if reasons:
+            sums = {c.removeprefix("stall_"): sum(_count(row[c]) for row in rows) for c in reasons}
+            total = sum(sums.values())
+            entry["stall_reasons"] = {r: n / total for r, n in sorted(sums.items(), key=lambda kv: -kv[1]) if n} if total else {}
         out[kernel] = entry
     return out
 
@@ -150,6 +164,11 @@ def print_source_summary(path: str) -> None:
             print(f"{kernel}: {title} {part['total']:.0f}: {shares}")
             for address, sass, n in part["top"]:
                 print(f"    {n:12.0f}  {address}  {sass[:90]}")
+        if "instructions" in entry:
+            shares = ", ".join(f"{op} {share:.1%}" for op, share in list(entry["instructions"]["by_opcode"].items())[:12])
+            print(f"{kernel}: warp instructions {entry['instructions']['total']:.0f}: {shares}")
+        if entry.get("stall_reasons"):
+            print(f"{kernel}: stall reasons: " + ", ".join(f"{r} {share:.1%}" for r, share in list(entry["stall_reasons"].items())[:10]))
 
 
 def main() -> int:

@@ -77,6 +77,21 @@ def test_ncu_source_summary_groups_by_opcode():
     assert summary["_logits_kernel"]["excess_shared"]["top"] == [("0x50", "STS.128 [R1], R4", 5.0)]
 
 
+def test_ncu_source_summary_counts_instructions_and_stall_reasons():
+    """Where the page has them, the executed warp instructions by opcode and the stall samples
+    by reason (all samples; the "(Not Issued)" columns left out)."""
+    import ncu_kernels
+
+    columns = (_SOURCE_COLUMNS + ',"Instructions Executed","stall_long_sb","stall_barrier","stall_long_sb (Not Issued)"')
+    text = "\n".join(['"Kernel Name","_pv_kernel",', columns,
+                      '"0x10","IMAD.SHL.U32 R1, R2, 0x100, RZ","30","0","0","3,000","24","6","99"',
+                      '"0x20","IMAD R3, R4, R5, RZ","10","0","0","1,000","","10","99"',
+                      '"0x30","LDSM.16.M88.4 R8, [R9]","0","0","0","4,000","0","0","0"']) + "\n"
+    pv = ncu_kernels.source_summary(text)["_pv_kernel"]
+    assert pv["instructions"] == {"total": 8000, "by_opcode": {"IMAD": 0.5, "LDSM": 0.5}}
+    assert pv["stall_reasons"] == {"long_sb": 0.6, "barrier": 0.4}
+
+
 def test_ncu_source_summary_names_missing_counters():
     """A source page profiled without SourceCounters has no stall or wavefront columns: the
     error says which and how to get them."""
