@@ -196,6 +196,20 @@ def _fp4_bytes(ckv_ptr, loc, valid, p0, NP: tl.constexpr, DIM: tl.constexpr):
 
 
 @triton.jit
+def _fp4_row_bytes(ckv_ptr, loc, valid, p0, NP: tl.constexpr, DIM: tl.constexpr):
+    """`_fp4_bytes` loaded as rows [rows, NP] and viewed as [rows, NP / 8, 8]: the PV values.
+    Loaded in three dimensions, the lanes of a warp ran along the keys, so the decoded values
+    reached the wgmma's shared-memory operand key-major, one 16-bit store per value (65
+    `STS.U16` in the loop at one channel slice, sm_90 SASS); loaded as rows, the lanes run
+    along a row's bytes (16-byte loads), the operand is stored channel-major in 16-byte stores,
+    and 34 fewer byte permutes remain. The logits' key pieces (32 bytes a row, the A operand
+    from registers) gained nothing from it."""
+    BYTES: tl.constexpr = CKV_SCALE_BLOCK // 2
+    row = tl.load(ckv_ptr + loc[:, None] * (DIM // 2) + p0 + tl.arange(0, NP)[None, :], mask=valid[:, None], other=0)
+    return tl.reshape(row, (row.shape[0], NP // BYTES, BYTES))
+
+
+@triton.jit
 def _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par,
                NP: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, PTX: tl.constexpr):
     """Channel pairs p0 .. p0 + NP of the compressed entries at cache rows loc, with their
@@ -513,7 +527,7 @@ def _top_values(ckv_ptr, ckv_scale_ptr, dense_ptr, entry, block, req, dense_rows
             return words, words
         else:
             scale = _fp4_scales(ckv_scale_ptr, loc, valid, p0 // (CKV_SCALE_BLOCK // 2), NP // (CKV_SCALE_BLOCK // 2), DIM)
-            return _fp4_bytes(ckv_ptr, loc, valid, p0, NP, DIM), scale
+            return _fp4_row_bytes(ckv_ptr, loc, valid, p0, NP, DIM), scale
 
 
 @triton.jit
