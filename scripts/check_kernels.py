@@ -246,9 +246,44 @@ def fp8_linear_case(name: str, m: int, w: torch.Tensor, s: torch.Tensor, wd: tor
     record("fp8_linear", case, "torch_bf16_graph", **perf(t, 2 * n * k + io, flops, "bf16"))
 
 
+def dequant_words_case() -> None:
+    """Every e4m3 code under every scale byte 1 .. 254 through the word dequantisers
+    (`dequant_word_step`: a scale per 32 inputs; `dequant_words`: one per row): code x
+    2**(byte - 127) rounded to bf16 (exact but where it overflows, as the reference does);
+    compiled PTX only, the interpreter never runs them."""
+    import triton
+    import triton.language as tl
+
+    from dsv4.ops.triton import fp8_gemm
+
+    @triton.jit
+    def kernel(w_ptr, s_ptr, step_ptr, row_ptr):
+        r = tl.program_id(0)  # one scale byte a program; the 256 codes as two rows of 32 words
+        rows = tl.arange(0, 2)[:, None]
+        words = tl.load(w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows * 32 + tl.arange(0, 32)[None, :])
+        sb = tl.load(s_ptr + r + 0 * tl.arange(0, 2)).to(tl.int32)
+        out = r * 256 + rows * 128 + tl.arange(0, 128)[None, :]
+        tl.store(step_ptr + out, fp8_gemm.dequant_word_step(words, sb * 0x01010101, 0, 128))
+        tl.store(row_ptr + out, fp8_gemm.dequant_words(words, sb))
+
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    scales = torch.arange(1, 255, dtype=torch.uint8, device="cuda")
+    step = torch.empty(len(scales), 256, dtype=torch.bfloat16, device="cuda")
+    row = torch.empty_like(step)
+    kernel[(len(scales),)](codes, scales, step, row)
+    values = codes.view(torch.float8_e4m3fn).float()
+    ref = (values[None, :].double() * torch.exp2(scales.double() - 127)[:, None]).bfloat16()
+    finite = ~values.isnan()
+    for label, got in (("dequant_word_step", step), ("dequant_words", row)):
+        same = torch.equal(got[:, finite].view(torch.int16), ref[:, finite].view(torch.int16))
+        wrong = int((got[:, finite].view(torch.int16) != ref[:, finite].view(torch.int16)).sum())
+        record("fp8_dequant", "256 codes x scale bytes 1..254", label, ok=same, same_bits=same, wrong=wrong)
+
+
 def section_fp8_linear() -> None:
     from dsv4.model import quant
 
+    guarded("fp8_dequant", "every code", dequant_words_case)
     for name, n, k, block in PROJECTIONS:
         w, s = fp8_weight(n, k, block, seed=n + k)
         wd = quant.dequant_fp8_block(w, s, block)
