@@ -343,24 +343,32 @@ def _dense_ckv_kernel(ckv_ptr, ckv_scale_ptr, block_table_ptr, dense_ptr, n_bloc
 
 
 @triton.jit
-def _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE: tl.constexpr, DIM: tl.constexpr):
-    """q^T of the head block as (even, odd) channel pieces of PIECE pairs, bf16 [PIECE, BLOCK_H]
-    each (the B operands of the logits product, loaded once per program)."""
-    j = tl.arange(0, PIECE)
-    base = q_ptr + tok * stride_qt + heads[None, :] * stride_qh + 2 * j[:, None]
-    lo = ()
-    hi = ()
-    for c in tl.static_range(DIM // 2 // PIECE):
-        lo = lo + (tl.load(base + 2 * c * PIECE, mask=h_ok[None, :], other=0.0),)
-        hi = hi + (tl.load(base + 2 * c * PIECE + 1, mask=h_ok[None, :], other=0.0),)
-    return lo, hi
+def _q_words(q_ptr, tok, heads, stride_qt, stride_qh, PIECE: tl.constexpr):
+    """Pointers [PIECE, BLOCK_H] to q's int32 words (two channels each) of piece 0 of the
+    head block, transposed (`_q_piece` reads piece c at + c * PIECE)."""
+    pair = tl.arange(0, PIECE)
+    return q_ptr.to(tl.pointer_type(tl.int32)) + (tok * stride_qt + heads[None, :] * stride_qh) // 2 + pair[:, None]
 
 
 @triton.jit
 def _q_piece(q_words, c, PIECE: tl.constexpr, h_ok):
-    """q^T's piece c as (even, odd) channels, bf16 [PIECE, BLOCK_H] each, from q's words at
-    q_words ([PIECE, BLOCK_H] pointers of piece 0): `_q_pieces`' values."""
+    """q^T's piece c as (even, odd) channels, bf16 [PIECE, BLOCK_H] each (a B operand of the
+    logits product), from q's words (`_q_words`): one 32-bit load per channel pair."""
     return _bf16_halves(tl.load(q_words + c * PIECE, mask=h_ok[None, :], other=0), 0, True)
+
+
+@triton.jit
+def _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE: tl.constexpr, DIM: tl.constexpr):
+    """Every piece of q^T (`_q_piece`), loaded once per program: (lo, hi) tuples of DIM / 2 /
+    PIECE pieces. (As 16-bit loads of each channel, this prologue took twice the loads.)"""
+    q_words = _q_words(q_ptr, tok, heads, stride_qt, stride_qh, PIECE)
+    lo = ()
+    hi = ()
+    for c in tl.static_range(DIM // 2 // PIECE):
+        lo_c, hi_c = _q_piece(q_words, c, PIECE, h_ok)
+        lo = lo + (lo_c,)
+        hi = hi + (hi_c,)
+    return lo, hi
 
 
 @triton.jit
@@ -416,8 +424,7 @@ def _logits_kernel(
         # q's pieces from its words inside pipelined loops over the pieces (the same values as
         # `_q_pieces`), instead of all 16 held through the program: the registers of a second
         # program per SM
-        pair = tl.arange(0, PIECE)
-        q_words = q_ptr.to(tl.pointer_type(tl.int32)) + (tok * stride_qt + heads[None, :] * stride_qh) // 2 + pair[:, None]
+        q_words = _q_words(q_ptr, tok, heads, stride_qt, stride_qh, PIECE)
     else:
         q_lo, q_hi = _q_pieces(q_ptr, tok, heads, h_ok, stride_qt, stride_qh, PIECE, DIM)
     w_tiles = (WINDOW + BLOCK_N - 1) // BLOCK_N
