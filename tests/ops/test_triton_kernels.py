@@ -990,6 +990,41 @@ class _Launches:
         return self.kernel[grid]
 
 
+class _Arguments:
+    """A kernel whose launches record their positional arguments in `log`."""
+
+    def __init__(self, kernel, log: list):
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.log.append(args)
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def test_sparse_attention_reads_q_and_kv_new_from_aligned_words(monkeypatch):
+    """Both kernels read q and kv_new as int32 words of two channels: views that start 2 bytes
+    past a 4-byte boundary (even strides) are copied first, with the contiguous inputs' bits."""
+    dev = _on_device(_attention_case(_gen(12), **ATTN_CASES["mixed"])[0])
+    whole = tattn.sparse_attention(**dev)
+    shifted = dict(dev)
+    for name in ("q", "kv_new"):
+        x = dev[name]
+        view = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
+        view.copy_(x)
+        assert view.data_ptr() % 4 == 2
+        shifted[name] = view
+    log = []
+    monkeypatch.setattr(tattn, "_logits_kernel", _Arguments(tattn._logits_kernel, log))
+    assert torch.equal(tattn.sparse_attention(**shifted), whole)
+    q, kv_new = log[0][:2]
+    assert q.data_ptr() % 4 == 0 and kv_new.data_ptr() % 4 == 0
+
+
 @pytest.mark.parametrize("per_launch", [5, 1])
 def test_sparse_attention_slices_tokens_to_bound_the_workspace(monkeypatch, per_launch):
     """With the workspace bound at per_launch tokens' worth, a call runs its tokens in slices

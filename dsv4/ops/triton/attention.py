@@ -816,9 +816,13 @@ def sparse_attention(
     out = torch.empty(t, h, dim, dtype=torch.bfloat16, device=q.device)
     if t == 0:
         return out
-    # kv_new and (dense path) q are read and the output written in channel pairs (int32 words): even offsets
-    q = q if q.stride(-1) == 1 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0 else q.contiguous()
-    kv_new = kv_new if kv_new.stride(-1) == 1 and kv_new.stride(0) % 2 == 0 else kv_new.contiguous()
+    # kv_new and q are read and the output written in channel pairs (int32 words): 4-byte
+    # aligned starts and even strides, else a fresh copy (`contiguous` would keep a
+    # contiguous view that starts mid-word)
+    if not (q.stride(-1) == 1 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0 and q.data_ptr() % 4 == 0):
+        q = q.clone(memory_format=torch.contiguous_format)
+    if not (kv_new.stride(-1) == 1 and kv_new.stride(0) % 2 == 0 and kv_new.data_ptr() % 4 == 0):
+        kv_new = kv_new.clone(memory_format=torch.contiguous_format)
     topk = topk.contiguous()
     n_top = topk.shape[1]
     sink = sink.float().contiguous()
