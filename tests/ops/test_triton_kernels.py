@@ -980,27 +980,20 @@ def test_sparse_attention_matches_reference(case, formats, tiling):
 
 
 class _Launches:
-    """A kernel whose launches are recorded as (name, grid) in `log`."""
+    """A kernel whose launches are recorded as (name, grid) in `log`, and their positional
+    arguments in `arguments` when given."""
 
-    def __init__(self, kernel, name: str, log: list):
-        self.kernel, self.name, self.log = kernel, name, log
+    def __init__(self, kernel, name: str, log: list, arguments: list | None = None):
+        self.kernel, self.name, self.log, self.arguments = kernel, name, log, arguments
 
     def __getitem__(self, grid):
         self.log.append((self.name, grid))
-        return self.kernel[grid]
-
-
-class _Arguments:
-    """A kernel whose launches record their positional arguments in `log`."""
-
-    def __init__(self, kernel, log: list):
-        self.kernel, self.log = kernel, log
-
-    def __getitem__(self, grid):
         launch = self.kernel[grid]
+        if self.arguments is None:
+            return launch
 
         def run(*args, **kwargs):
-            self.log.append(args)
+            self.arguments.append(args)
             return launch(*args, **kwargs)
 
         return run
@@ -1018,10 +1011,10 @@ def test_sparse_attention_reads_q_and_kv_new_from_aligned_words(monkeypatch):
         view.copy_(x)
         assert view.data_ptr() % 4 == 2
         shifted[name] = view
-    log = []
-    monkeypatch.setattr(tattn, "_logits_kernel", _Arguments(tattn._logits_kernel, log))
+    arguments = []
+    monkeypatch.setattr(tattn, "_logits_kernel", _Launches(tattn._logits_kernel, "_logits_kernel", [], arguments))
     assert torch.equal(tattn.sparse_attention(**shifted), whole)
-    q, kv_new = log[0][:2]
+    q, kv_new = arguments[0][:2]
     assert q.data_ptr() % 4 == 0 and kv_new.data_ptr() % 4 == 0
 
 
