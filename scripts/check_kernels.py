@@ -2598,7 +2598,14 @@ def compile_targets() -> list[tuple]:
     out.extend(engram_compile_targets())
     out.extend(mhc_compile_targets())
     out.extend(indexer_compile_targets())
-    return out
+    return [with_pdl(t) for t in out]
+
+
+def with_pdl(target: tuple) -> tuple:
+    """A compile target as the launches run it on the device: PDL on and the launch attribute
+    set (every kernel takes PDL, `dsv4.ops.triton.pdl`)."""
+    label, kernel, types, consts, options, *mma = target
+    return (label, kernel, types, {**consts, "PDL": True}, {**options, "launch_pdl": True}, *mma)
 
 
 def triton_next_pow2(n: int) -> int:

@@ -72,6 +72,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import e2m1_pair_ptx, e8m0_to_fp32, num_sms, ptx_convert
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 # constexpr: the kernels read them (Python code uses .value)
 RING_SCALE_BLOCK = tl.constexpr(32)  # ue8m0 byte per 32 channels of a window key
@@ -324,10 +325,11 @@ def _dense_pairs(dense_ptr, row, valid, p0, par, NP: tl.constexpr, DIM: tl.const
 
 @triton.jit
 def _dense_ckv_kernel(ckv_ptr, ckv_scale_ptr, block_table_ptr, dense_ptr, n_blocks, entries, stride_bt,
-                      PER_BLOCK: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr, ROWS: tl.constexpr, PTX: tl.constexpr):
+                      PER_BLOCK: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr, ROWS: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     """Program (request b, run of ROWS entries j < entries): entry j of b's compressed sequence
     (cache row block_tables[b, j // P] * P + j % P) to dense row b * entries + j, in operand
     pieces (module docstring); 0 where the table holds no cache block (-1 padding)."""
+    begin(PDL)
     req = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     in_seq = j < entries
@@ -404,12 +406,13 @@ def _logits_kernel(
     stride_qt, stride_qh, stride_kv, stride_top, stride_bt,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DENSE: tl.constexpr, DENSE_STAGES: tl.constexpr,
-    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr, PTX: tl.constexpr,
+    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (token, head block, run of tiles_per_program logits tiles). DENSE: the
     compressed keys from the dense copy (dense_rows rows per request). RING_RAW / CKV_RAW: the
     ring / the compressed KV hold bf16 values (no scales). PTX: FP4 entries decoded by
     `_fp4_ptx` (compiled CUDA; the interpreter takes the fp32 form, the same values)."""
+    begin(PDL)
     tok = tl.program_id(0).to(tl.int64)
     req = tl.load(token_req_ptr + tok)
     pos = tl.load(pos_ptr + tok)
@@ -558,12 +561,13 @@ def _pv_kernel(
     stride_kv, stride_top, stride_bt, stride_ot, stride_oh,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr, N_TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr, DENSE: tl.constexpr, PIECE: tl.constexpr,
-    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr, PTX: tl.constexpr,
+    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (token, head block x channel slice): slice 2r + par of DSPLIT holds channels
     2p + par for the pairs p of range r (DSPLIT = 1: every channel, as two halves). DENSE: the
     compressed values from the dense copy (pieces of PIECE pairs). RING_RAW / CKV_RAW: the
     ring / the compressed KV hold bf16 values (no scales). PTX: as the logits kernel's."""
+    begin(PDL)
     BOTH: tl.constexpr = DSPLIT == 1
     NP: tl.constexpr = DIM // 2 if DSPLIT <= 2 else DIM // DSPLIT  # channel pairs of the slice
     tok = tl.program_id(0).to(tl.int64)
@@ -763,7 +767,7 @@ def dense_ckv(ckv_codes: torch.Tensor, ckv_scales: torch.Tensor, block_tables: t
     if dense.numel():
         _dense_ckv_kernel[(requests, triton.cdiv(entries, DENSE_ROWS))](
             ckv_codes, ckv_scales, block_tables, dense, n_blocks, entries, block_tables.stride(0),
-            PER_BLOCK=per_block, DIM=2 * half, PIECE=piece, ROWS=DENSE_ROWS, PTX=ptx_convert(ckv_codes.device), num_warps=4,
+            PER_BLOCK=per_block, DIM=2 * half, PIECE=piece, ROWS=DENSE_ROWS, PTX=ptx_convert(ckv_codes.device), num_warps=4, **pdl_launch(ckv_codes.device),
         )
     return dense
 
@@ -853,13 +857,13 @@ def sparse_attention(
             q.stride(0), q.stride(1), kv_new.stride(0), topk.stride(0), block_tables.stride(0),
             WINDOW=window, PER_BLOCK=per_block, DIM=dim, BLOCK_H=lbh, BLOCK_N=cfg["LOGIT_BLOCK_N"], PIECE=piece, DENSE=dense, DENSE_STAGES=cfg["dense_stages"],
             **formats, num_warps=cfg["logit_warps"], num_stages=cfg["logit_stages"],
-            **({"maxnreg": cfg["dense_logit_maxnreg"]} if dense and cfg["dense_logit_maxnreg"] else {}),
+            **({"maxnreg": cfg["dense_logit_maxnreg"]} if dense and cfg["dense_logit_maxnreg"] else {}), **pdl_launch(q.device),
         )
         _pv_kernel[(n, triton.cdiv(h, bh) * plan["DSPLIT"])](
             logits, stats, kv_new, ring_codes, ring_scale_bytes, ckv_codes, ckv_scale_arg, topk[rows], *index, sink, dense_keys, out[rows],
             h, n_top, n_keys, dense_rows,
             kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
             WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=plan["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"], DENSE=dense, PIECE=piece,
-            **formats, num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"],
+            **formats, num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"], **pdl_launch(logits.device),
         )
     return out

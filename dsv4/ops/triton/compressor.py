@@ -34,6 +34,7 @@ from triton.language.extra import libdevice
 
 from dsv4.cache.storage import CKV_BLOCK, QTensor
 from dsv4.ops.triton.kv import _e2m1_code, _fp4_quantise, _load_fp32
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 _CKV_BLOCK = tl.constexpr(CKV_BLOCK)  # the kernel's view of it (jit code reads constexpr globals only)
 BLOCK_T, NUM_WARPS = 2, 4  # V4.1: rows per program (2 x 512 channels), warps
@@ -160,10 +161,11 @@ def _pool(kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, ape_ptr, prev_kv_ptr, pr
 def _pool_kernel(
     kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, req_ptr, pos_ptr, start_ptr, row0_ptr, slot_ptr, pooled_ptr,
     R, stride_kv, stride_tail_s, stride_tail_j, ape_ptr, prev_kv_ptr, prev_gate_ptr, stride_prev_s, stride_prev_j, stride_ape,
-    RATIO: tl.constexpr, W: tl.constexpr, PAIRS: tl.constexpr, V4: tl.constexpr, OVERLAP: tl.constexpr,
+    RATIO: tl.constexpr, W: tl.constexpr, PAIRS: tl.constexpr, V4: tl.constexpr, OVERLAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, PAIRS channel pairs): `_pool` of that slice to `pooled` [R, W] bf16 (the
     rows that pool; `_compress_kernel` POOLED takes the others as zeros)."""
+    begin(PDL)
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     ok = rows < R
     req = tl.load(req_ptr + rows, mask=ok, other=0).to(tl.int64)
@@ -185,7 +187,7 @@ def _compress_kernel(
     R, eps, n_cols, S, stride_kv, stride_tail_s, stride_tail_j, stride_bt, stride_cos, stride_c0, stride_c1, stride_s0, stride_s1,
     ape_ptr, prev_kv_ptr, prev_gate_ptr, stride_prev_s, stride_prev_j, stride_ape,
     RATIO: tl.constexpr, W: tl.constexpr, ROPE_PAIRS: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    V4: tl.constexpr, OVERLAP: tl.constexpr, FP4: tl.constexpr, POOLED: tl.constexpr, pooled_ptr,
+    V4: tl.constexpr, OVERLAP: tl.constexpr, FP4: tl.constexpr, POOLED: tl.constexpr, pooled_ptr, PDL: tl.constexpr,
 ):
     """W: the entry width. V4: V4's pooling (position bias, bf16 weights and terms, the rows
     that complete no group skipped) and fp32-weight norm; OVERLAP: its overlapping windows
@@ -193,6 +195,7 @@ def _compress_kernel(
     holds FP4 codes (`cache_ptr`, [S, P, W/2]) and E4M3 scales, else the entries in its own
     dtype (`cache_ptr`, [S, P, W]; `scales_ptr` not read). POOLED: `_pool_kernel` pooled the
     rows already (`pooled_ptr` [R, W]; V4's rows that complete no group are zeros, not read)."""
+    begin(PDL)
     HALF: tl.constexpr = W // 2
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < R
@@ -302,7 +305,7 @@ def compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, 
         pairs = max(1, min(pairs, APART_TILE // n_slots))
         _pool_kernel[(n_rows, width // 2 // pairs)](
             kv, gate, tail_kv, tail_gate, req, positions, start, row0, slots, pooled_rows, n_rows, kv.stride(0), tail_kv.stride(0), tail_kv.stride(1), *v4_args,
-            RATIO=ratio, W=width, PAIRS=pairs, V4=v4 is not None, OVERLAP=overlap, num_warps=4, enable_fp_fusion=False,
+            RATIO=ratio, W=width, PAIRS=pairs, V4=v4 is not None, OVERLAP=overlap, num_warps=4, enable_fp_fusion=False, **pdl_launch(kv.device),
         )
     block_t, num_warps = (BLOCK_T, NUM_WARPS) if v4 is None else (V4_BLOCK_T, V4_NUM_WARPS)
     _compress_kernel[(triton.cdiv(n_rows, block_t),)](
@@ -313,7 +316,7 @@ def compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, 
         *v4_args,
         RATIO=ratio, W=width, ROPE_PAIRS=cos.shape[1], PER_BLOCK=block_size // ratio, BLOCK_T=block_t,
         V4=v4 is not None, OVERLAP=overlap, FP4=ckv.quantized,
-        POOLED=apart, pooled_ptr=pooled_rows, num_warps=num_warps, enable_fp_fusion=False,
+        POOLED=apart, pooled_ptr=pooled_rows, num_warps=num_warps, enable_fp_fusion=False, **pdl_launch(kv.device),
     )
     return out, where, emit
 
@@ -321,8 +324,9 @@ def compress_entries(kv, gate, tail_kv, tail_gate, req, positions, start, row0, 
 @triton.jit
 def _overlap_state_kernel(kv_ptr, gate_ptr, tail_kv_ptr, tail_gate_ptr, ape_ptr, start_ptr, count_ptr, row0_ptr, write_ptr, slot_ptr,
                           prev_kv_ptr, prev_gate_ptr, R, stride_kv, stride_tail_s, stride_tail_j, stride_prev_s, stride_prev_j, stride_ape,
-                          RATIO: tl.constexpr, BLOCK_C: tl.constexpr):
+                          RATIO: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     """Program (request b, BLOCK_C channels of the first half): `update_overlap_state` for b."""
+    begin(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     first = tl.load(start_ptr + b).to(tl.int64)
@@ -365,5 +369,5 @@ def overlap_state(v4, kv, gate, tail_kv, tail_gate, start, row0, write, slots, r
     _overlap_state_kernel[(n_req, half // block_c)](
         kv, gate, tail_kv, tail_gate, v4.ape, start, v4.count, row0, write.view(torch.uint8), slots, v4.prev_kv, v4.prev_gate,
         kv.shape[0], kv.stride(0), tail_kv.stride(0), tail_kv.stride(1), v4.prev_kv.stride(0), v4.prev_kv.stride(1), v4.ape.stride(0),
-        RATIO=ratio, BLOCK_C=block_c, num_warps=4,
+        RATIO=ratio, BLOCK_C=block_c, num_warps=4, **pdl_launch(kv.device),
     )

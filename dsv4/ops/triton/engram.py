@@ -38,6 +38,7 @@ import triton.language as tl
 from dsv4.model import quant
 from dsv4.ops.triton.kv import _load_fp32
 from dsv4.ops.triton.mhc import _sigmoid
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 HASH_TILE = 1024  # int64 hash values per program (rows x layers x columns, padded): 141 registers at 16 rows x 2 x 32 (2048: 254)
 LOOKUP_COLS = 8  # table rows per program of `lookup` (3 programs per token at 24 columns)
@@ -47,9 +48,10 @@ LOOKUP_COLS = 8  # table rows per program of `lookup` (3 programs per token at 2
 def _hash_kernel(
     ids_ptr, req_ptr, local_ptr, pos_ptr, prev_ptr, map_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr,
     T, P, V, L, C, pad, stride_prev,
-    N: tl.constexpr, HEADS: tl.constexpr, L_P: tl.constexpr, C_P: tl.constexpr, BLOCK_T: tl.constexpr,
+    N: tl.constexpr, HEADS: tl.constexpr, L_P: tl.constexpr, C_P: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, l, c] for a tile of rows, all layers and columns (c = (n-2) * HEADS + head)."""
+    begin(PDL)
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
     req = tl.load(req_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -101,10 +103,11 @@ def _e8m0_value(byte):
 def _lookup_kernel(
     hash_ptr, table_ptr, scale_ptr, out_ptr,
     C, R, stride_ht, stride_hc, stride_table, stride_scale, stride_o,
-    NB: tl.constexpr, SB: tl.constexpr, NB_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    NB: tl.constexpr, SB: tl.constexpr, NB_P: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, c * NB * SB + j] = table[id, j] * 2**(scale[id, j // SB] - 127), id = hash[t, c],
     for one row t and BLOCK_C columns."""
+    begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
@@ -131,10 +134,11 @@ def _rsqrt(x):
 def _gate_kernel(
     s_ptr, kv_ptr, w_ptr, out_ptr,
     D, stride_st, stride_sh, stride_kv, stride_ot, stride_oh, d_float, inv_sqrt_d, eps,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, k] = h + g * value for stream k of row t: key = kv[t, k*D : (k+1)*D], value =
     kv[t, HC*D : (HC+1)*D], w = gate_weight[k]."""
+    begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1)
     cols = tl.arange(0, BLOCK_D)
@@ -171,7 +175,7 @@ def hash_ids(input_ids: torch.Tensor, req: torch.Tensor, local: torch.Tensor, po
     _hash_kernel[(triton.cdiv(t, rows),)](
         ids, req, local, positions, prev, token_map, mult, primes, offsets, out,
         t, prev.shape[1], token_map.shape[0], n_layers, c, pad, prev.stride(0),
-        N=n, HEADS=heads, L_P=l_p, C_P=c_p, BLOCK_T=rows, num_warps=4,
+        N=n, HEADS=heads, L_P=l_p, C_P=c_p, BLOCK_T=rows, num_warps=4, **pdl_launch(ids.device),
     )
     return out
 
@@ -192,7 +196,7 @@ def lookup(table: torch.Tensor, table_scale: torch.Tensor, hash_ids: torch.Tenso
     _lookup_kernel[(t, triton.cdiv(cols, block_c))](
         hash_ids, table, scale, out,
         cols, rows, hash_ids.stride(0), hash_ids.stride(1), table.stride(0), scale.stride(0), out.stride(0),
-        NB=nb, SB=32, NB_P=triton.next_power_of_2(nb), BLOCK_C=block_c, num_warps=4,
+        NB=nb, SB=32, NB_P=triton.next_power_of_2(nb), BLOCK_C=block_c, num_warps=4, **pdl_launch(hash_ids.device),
     )
     return out
 
@@ -213,6 +217,6 @@ def gate(streams: torch.Tensor, kv: torch.Tensor, gate_weight: torch.Tensor, eps
     _gate_kernel[(t, hc)](
         streams, kv, gate_weight, out,
         d, streams.stride(0), streams.stride(1), kv.stride(0), out.stride(0), out.stride(1), float(d), d**-0.5, eps,
-        HC=hc, BLOCK_D=block_d, num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False,
+        HC=hc, BLOCK_D=block_d, num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False, **pdl_launch(streams.device),
     )
     return out

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from dsv4.model import quant
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 # Rows from which `fp8_linear` switches from the weight-only kernel to the FP8 x FP8 kernel.
 W8A8_MIN_ROWS = 1024
@@ -434,10 +435,11 @@ def fragment_order_tile(x):
 
 
 @triton.jit
-def _fragment_order_kernel(x_ptr, out_ptr, t, blocks, stride_x, ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+def _fragment_order_kernel(x_ptr, out_ptr, t, blocks, stride_x, ROWS: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """Program (ROWS rows, BLOCKS blocks of 64 inputs): `fragment_order` on int32 words of two
     inputs (a pair n0 stays together), loaded and stored whole and contiguous, the words
     relabelled in registers."""
+    begin(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     w = tl.arange(0, 32)
@@ -468,7 +470,7 @@ def fragment_order(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, k, dtype=x.dtype, device=x.device)
     if x.numel():
         _fragment_order_kernel[(triton.cdiv(t, FRAGMENT_ROWS), triton.cdiv(k // 64, FRAGMENT_BLOCKS))](
-            x, out, t, k // 64, x.stride(0), ROWS=FRAGMENT_ROWS, BLOCKS=FRAGMENT_BLOCKS, num_warps=4)
+            x, out, t, k // 64, x.stride(0), ROWS=FRAGMENT_ROWS, BLOCKS=FRAGMENT_BLOCKS, num_warps=4, **pdl_launch(x.device))
     return out
 
 
@@ -613,7 +615,7 @@ def _w8a16_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, WORDS: tl.constexpr,
     LOADS: tl.constexpr, ROWS: tl.constexpr, TICKET: tl.constexpr, A8: tl.constexpr, STEP: tl.constexpr,
-    FRAGMENT: tl.constexpr, XREG: tl.constexpr, WARPS: tl.constexpr,
+    FRAGMENT: tl.constexpr, XREG: tl.constexpr, WARPS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
     by K chunk (the weight rows as the wgmma's M; see the knobs above).
@@ -645,6 +647,7 @@ def _w8a16_kernel(
     comes in the same order, copied so by the caller (`fragment_order`) or, XREG, put so in
     registers (`fragment_order_tile`). A K order of its own (other bits than without it), the
     same for every row class, tile and weight read, so rows stay batch invariant."""
+    begin(PDL)
     pid = tl.program_id(0)
     tiles_t = tl.cdiv(M, BLOCK_T)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -919,7 +922,7 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
         SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=words,
         LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, TICKET=ticket, A8=a8, STEP=words and w8a16_step(w_scale, block, bk),
-        FRAGMENT=fragment, XREG=xreg, WARPS=cfg["num_warps"], **launch_options(cfg),
+        FRAGMENT=fragment, XREG=xreg, WARPS=cfg["num_warps"], **pdl_launch(x.device), **launch_options(cfg),
     )
     if split and not ticket:
         sum_chunks(part, out)
@@ -931,8 +934,9 @@ SUM_BLOCK_T = 4  # rows per program of `sum_chunks`
 
 @triton.jit
 def _sum_chunks_kernel(part_ptr, out_ptr, T, N, stride_part, stride_row, stride_out,
-                       CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+                       CHUNKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """out[rows, :N] = the chunk partials added in chunk order from zero (stored in out's dtype)."""
+    begin(PDL)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rt < T)[:, None] & (rn < N)[None, :]
@@ -951,7 +955,7 @@ def sum_chunks(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         block_n = min(triton.next_power_of_2(n), 256)
         _sum_chunks_kernel[(triton.cdiv(t, SUM_BLOCK_T), triton.cdiv(n, block_n))](
             part, out, t, n, part.stride(0), part.stride(1), out.stride(0),
-            CHUNKS=part.shape[0], BLOCK_T=SUM_BLOCK_T, BLOCK_N=block_n, num_warps=4,
+            CHUNKS=part.shape[0], BLOCK_T=SUM_BLOCK_T, BLOCK_N=block_n, num_warps=4, **pdl_launch(part.device),
         )
     return out
 
@@ -961,10 +965,11 @@ def sum_chunks(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
-                    QROWS: tl.constexpr, QCOLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PTX: tl.constexpr):
+                    QROWS: tl.constexpr, QCOLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     """out [BLOCK_R, BLOCK_C] tile = w * 2**(s - 127), one scale per QROWS x QCOLS weights: the
     tile is loaded whole (coalesced rows) and viewed as BLOCK_R * BLOCK_C / QCOLS rows of QCOLS
     for `dequant_rows`."""
+    begin(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     pieces = tl.program_id(1) * (BLOCK_C // QCOLS) + tl.arange(0, BLOCK_C // QCOLS)
@@ -1004,17 +1009,18 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: int, row_scales: bo
     block_r, block_c, warps = dequant_tile(qcols)
     _dequant_kernel[(triton.cdiv(n, block_r), triton.cdiv(k, block_c))](
         w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0),
-        QROWS=qrows, QCOLS=qcols, BLOCK_R=block_r, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=warps,
+        QROWS=qrows, QCOLS=qcols, BLOCK_R=block_r, BLOCK_C=block_c, PTX=ptx_convert(w.device), num_warps=warps, **pdl_launch(w.device),
     )
     return out
 
 
 @triton.jit
 def _dequant_fp4_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                        PTX: tl.constexpr, SLOTS: tl.constexpr):
+                        PTX: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr):
     """out [BLOCK_R, BLOCK_C] tile of a compact FP4 weight (kernel layout, K a multiple of 32):
     each 32 inputs are 4 int32 words and one scale byte, viewed as BLOCK_R * BLOCK_C / 32 rows
     for `dequant_fp4_words`. SLOTS: rows of whole 128s, their words in slot order."""
+    begin(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pieces = tl.program_id(1) * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
     words = tl.program_id(1) * (BLOCK_C // 8) + tl.arange(0, BLOCK_C // 8)
@@ -1044,7 +1050,7 @@ def dequant_fp4(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
     block_c = 256
     _dequant_fp4_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_c))](
         w, scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0), BLOCK_R=32, BLOCK_C=block_c, PTX=ptx_convert(w.device),
-        SLOTS=quant.fp4_slot_order(k), num_warps=8,
+        SLOTS=quant.fp4_slot_order(k), num_warps=8, **pdl_launch(w.device),
     )
     return out
 
@@ -1055,12 +1061,13 @@ def dequant_fp4(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-    QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr, FAKE: tl.constexpr,
+    QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr, FAKE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows x one QBLOCK column block: amax (>= 1e-4), exponent ceil(log2(amax / 448)) from the
     fp32 bits of amax * (1/448), codes = e4m3(x * 2**-exponent). A partial last block is
     quantised over the columns it has. FAKE: store code * 2**exponent in x's dtype (exact in
     bf16) and no scales."""
+    begin(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * QBLOCK + tl.arange(0, QBLOCK)
     ok = (rows < M)[:, None] & (cols < K)[None, :]
@@ -1083,7 +1090,7 @@ def fp8_act_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     s = torch.empty(m, triton.cdiv(k, block), dtype=torch.uint8, device=x.device)
     rows = max(1, min(64, 4096 // block))
     _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, block))](
-        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), QBLOCK=block, BLOCK_R=rows, FAKE=False, num_warps=4
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), QBLOCK=block, BLOCK_R=rows, FAKE=False, num_warps=4, **pdl_launch(x.device)
     )
     return q, s
 
@@ -1099,7 +1106,7 @@ def fp8_act_fake_quant(x: torch.Tensor, block: int) -> torch.Tensor:
     if m:
         rows = max(1, min(64, 4096 // block))
         _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, block))](
-            x2, out, out, m, k, x2.stride(0), out.stride(0), 0, QBLOCK=block, BLOCK_R=rows, FAKE=True, num_warps=4
+            x2, out, out, m, k, x2.stride(0), out.stride(0), 0, QBLOCK=block, BLOCK_R=rows, FAKE=True, num_warps=4, **pdl_launch(x2.device)
         )
     return out.view(x.shape)
 
@@ -1130,11 +1137,12 @@ def _w8a8_kernel(
     M, N, K, ROW_CLASS,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
     QBLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """FP8 x FP8 tile GEMM with per-(row, K block) and per-(N block, K block) power-of-two
     scales applied to each K step's partial product. Tiles are visited in groups of GROUP_M
     row tiles so that neighbouring programs share weight tiles in L2."""
+    begin(PDL)
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -1185,7 +1193,7 @@ def fp8_linear_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     _w8a8_kernel[grid](
         xq, xs, w, w_scale, out, m, n, k, min(m.bit_length(), 14),
         xq.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
-        QBLOCK=block, BLOCK_K=32,
+        QBLOCK=block, BLOCK_K=32, **pdl_launch(xq.device),
     )
     return out.view(*lead, n)
 

@@ -52,6 +52,7 @@ import triton.language as tl
 from dsv4.ops.triton.fp8_gemm import (
     dequant_fp4_key_words, fragment_dot_order, fragment_input, fragment_rows, halves, num_sms, ptx_convert, step_scale_bytes,
 )
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 IDX_SCALE_BLOCK = tl.constexpr(32)  # one ue8m0 byte per 32 channels of an indexer key
 # BLOCK_N: columns per tile (wgmma's M: 64 per warp group of 4 warps; 128 is two row blocks
@@ -218,10 +219,11 @@ def _index_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_bt, stride_et, stride_ot,
     ROWS: tl.constexpr, PER_BLOCK: tl.constexpr, DK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, CONTIGUOUS: tl.constexpr, RAW_KEYS: tl.constexpr, PTX: tl.constexpr, FRAGMENT: tl.constexpr,
-    WARPS: tl.constexpr, INTERPRETED: tl.constexpr,
+    WARPS: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (group of ROWS rows, split): the group's rows share each dequantised key tile
     when they are of one request (a prefill chunk), else they are scored one after the other."""
+    begin(PDL)
     t0 = tl.program_id(0).to(tl.int64) * ROWS
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -326,7 +328,7 @@ def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengt
         q.stride(0), q.stride(1), weights.stride(0), block_tables.stride(0), ent.stride(0), out.stride(0),
         ROWS=rows, PER_BLOCK=per_block, DK=dk, BLOCK_H=_block_h(h), BLOCK_N=bn, HAS_ENTRIES=entries is not None,
         CONTIGUOUS=entries is None and per_block % bn == 0, RAW_KEYS=raw, PTX=ptx_convert(q.device), FRAGMENT=not raw and dk == FRAGMENT_DK,
-        WARPS=cfg["num_warps"], INTERPRETED=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=cfg["num_warps"],
+        WARPS=cfg["num_warps"], INTERPRETED=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=cfg["num_warps"], **pdl_launch(q.device),
     )
     return out
 
@@ -335,7 +337,8 @@ def index_scores(q, weights, key_codes, key_scales, block_tables, row_req, lengt
 
 
 @triton.jit
-def _block_max_kernel(scores_ptr, lengths_ptr, out_ptr, width, stride_st, stride_ot, BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+def _block_max_kernel(scores_ptr, lengths_ptr, out_ptr, width, stride_st, stride_ot, BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -369,7 +372,7 @@ def block_max(scores: torch.Tensor, lengths: torch.Tensor, block: int) -> torch.
     tb = max(1, cfg["TILE_BLOCKS"] // max(1, block // 8))  # ~1024 columns per tile
     split = max(1, min(triton.cdiv(n_blocks, tb), triton.cdiv(cfg["PROGRAMS_PER_SM"] * num_sms(scores.device), t)))
     _block_max_kernel[(t, split)](
-        scores, lengths, out, width, scores.stride(0), out.stride(0), BLOCK=block, TILE_BLOCKS=tb, num_warps=cfg["num_warps"]
+        scores, lengths, out, width, scores.stride(0), out.stride(0), BLOCK=block, TILE_BLOCKS=tb, num_warps=cfg["num_warps"], **pdl_launch(scores.device)
     )
     return out
 
@@ -432,12 +435,13 @@ def _radix_threshold(v_ptr, lo, hi, k, BLOCK: tl.constexpr):
 @triton.jit
 def _topk_kernel(
     v_ptr, col_ptr, lengths_ptr, out_ptr, out_v_ptr, labels_ptr, width, k, chunk, stride_v, stride_c, stride_l,
-    STAGE: tl.constexpr, BLOCK: tl.constexpr, LABELS: tl.constexpr,
+    STAGE: tl.constexpr, BLOCK: tl.constexpr, LABELS: tl.constexpr, PDL: tl.constexpr,
 ):
     """STAGE 0: the top k of a whole row -> out [T, k]. STAGE 1: of chunk s of the row (columns
     s*chunk ..) -> columns and scores out[t*S + s, :k]. STAGE 2: of the candidates row t of
     stage 1 left (cdiv(length, chunk) chunks of k, in column order) -> their columns, out [T, k].
     LABELS (stages 0 and 2): each picked column's label labels[t, col] is stored instead."""
+    begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     length = tl.minimum(tl.load(lengths_ptr + t).to(tl.int32), width)
     if STAGE == 1:
@@ -521,12 +525,12 @@ def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int, labels: 
     opts = {"BLOCK": cfg["BLOCK"], "num_warps": cfg["num_warps"], "LABELS": labels is not None}
     chunk, chunks = topk_chunks(t, width, k, scores.device)
     if chunks == 1:
-        _topk_kernel[(t, 1)](scores, out, lengths, out, out, lab, width, k, width, scores.stride(0), 0, lab.stride(0), STAGE=0, **opts)
+        _topk_kernel[(t, 1)](scores, out, lengths, out, out, lab, width, k, width, scores.stride(0), 0, lab.stride(0), STAGE=0, **opts, **pdl_launch(scores.device))
         return out
     cand = torch.empty(t * chunks, k, dtype=torch.int32, device=scores.device)
     cand_v = torch.empty(t * chunks, k, dtype=torch.float32, device=scores.device)
-    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, lab, width, k, chunk, scores.stride(0), 0, lab.stride(0), STAGE=1, **opts)
-    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, lab, width, k, chunk, chunks * k, chunks * k, lab.stride(0), STAGE=2, **opts)
+    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, lab, width, k, chunk, scores.stride(0), 0, lab.stride(0), STAGE=1, **opts, **pdl_launch(scores.device))
+    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, lab, width, k, chunk, chunks * k, chunks * k, lab.stride(0), STAGE=2, **opts, **pdl_launch(cand_v.device))
     return out
 
 
@@ -534,7 +538,8 @@ def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int, labels: 
 
 
 @triton.jit
-def _pool_entries_kernel(cand_ptr, visible_ptr, out_ptr, n, stride_ct, stride_ot, BLOCK: tl.constexpr, TILE: tl.constexpr):
+def _pool_entries_kernel(cand_ptr, visible_ptr, out_ptr, n, stride_ct, stride_ot, BLOCK: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * TILE + tl.arange(0, TILE)  # candidate block of the row
     blocks = tl.load(cand_ptr + t * stride_ct + j, mask=j < n, other=-1).to(tl.int64)
@@ -560,5 +565,5 @@ def pool_entries(cand: torch.Tensor, visible: torch.Tensor, block: int) -> torch
     if t and n:
         cand = cand if cand.stride(-1) == 1 else cand.contiguous()
         _pool_entries_kernel[(t, triton.cdiv(n, POOL_TILE))](cand, visible.contiguous(), out, n, cand.stride(0), out.stride(0),
-                                                               BLOCK=block, TILE=POOL_TILE, num_warps=4)
+                                                               BLOCK=block, TILE=POOL_TILE, num_warps=4, **pdl_launch(cand.device))
     return out

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from dsv4.cache.storage import CKV_BLOCK, FP8_BLOCK, IDX_BLOCK, QTensor
 from dsv4.ops.triton.fp8_gemm import FP8_MAX, fp8_quantise, pow2, pow2_ceil_exponent, round_to_e4m3
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 FP4_MAX = tl.constexpr(6.0)  # largest e2m1 magnitude
 # Elements of x per program (rows x padded width): 4 rows of 512 (16 per thread with 4 warps),
@@ -118,9 +119,10 @@ def _fp4_quantise(x, amax, E4M3_SCALE: tl.constexpr):
 def _store_fp8_kernel(
     x_ptr, mask_ptr, i0_ptr, i1_ptr, codes_ptr, scales_ptr,
     T, S, R, NB, stride_x, stride_c0, stride_c1, stride_s0, stride_s1,
-    BLOCK: tl.constexpr, NB_P: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK: tl.constexpr, NB_P: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """Window KV: FP8 e4m3 codes and one ue8m0 exponent byte per BLOCK channels."""
+    begin(PDL)
     rows, valid, i0, i1 = _target_rows(tl.program_id(0), T, S, R, mask_ptr, i0_ptr, i1_ptr, BLOCK_T)
     nb = tl.arange(0, NB_P)
     nb_ok = valid[:, None] & (nb < NB)[None, :]
@@ -138,10 +140,11 @@ def _store_fp8_kernel(
 def _store_fp4_kernel(
     x_ptr, mask_ptr, i0_ptr, i1_ptr, codes_ptr, scales_ptr,
     T, S, R, NB, stride_x, stride_c0, stride_c1, stride_s0, stride_s1,
-    E4M3_SCALE: tl.constexpr, BLOCK: tl.constexpr, NB_P: tl.constexpr, BLOCK_T: tl.constexpr,
+    E4M3_SCALE: tl.constexpr, BLOCK: tl.constexpr, NB_P: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """FP4 e2m1 packed two per byte (low nibble = even channel) with one scale per BLOCK
     channels: E4M3 (compressed KV) or a ue8m0 exponent byte (indexer keys)."""
+    begin(PDL)
     HALF: tl.constexpr = BLOCK // 2
     rows, valid, i0, i1 = _target_rows(tl.program_id(0), T, S, R, mask_ptr, i0_ptr, i1_ptr, BLOCK_T)
     nb = tl.arange(0, NB_P)
@@ -164,12 +167,13 @@ def _store_fp4_kernel(
 @triton.jit
 def _round_trip_kernel(
     x_ptr, out_ptr, M, NB, stride_x, stride_o,
-    FP8: tl.constexpr, E4M3_SCALE: tl.constexpr, BLOCK: tl.constexpr, NB_P: tl.constexpr, BLOCK_T: tl.constexpr,
+    FP8: tl.constexpr, E4M3_SCALE: tl.constexpr, BLOCK: tl.constexpr, NB_P: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = decode(encode(x)) for a tile of rows: quantised and dequantised in registers. A
     decoded value is a code value times a scale, at most 6 significant bits and 0 or above
     2**-128 in magnitude, so exact in fp32 and bf16: only the quantisation has to follow the
     reference's roundings."""
+    begin(PDL)
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     nb = tl.arange(0, NB_P)
     ok = ((rows < M)[:, None] & (nb < NB)[None, :])[:, :, None]
@@ -188,9 +192,10 @@ def _round_trip_kernel(
 def _store_plain_kernel(
     x_ptr, mask_ptr, i0_ptr, i1_ptr, dst_ptr,
     T, S, R, D, stride_x, stride_d0, stride_d1,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """dst[i0, i1, cols] = x[row, cols] cast to dst's dtype (round to nearest even)."""
+    begin(PDL)
     rows, valid, i0, i1 = _target_rows(tl.program_id(0), T, S, R, mask_ptr, i0_ptr, i1_ptr, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = valid[:, None] & (cols < D)[None, :]
@@ -216,7 +221,7 @@ def store_plain(dst: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor], x: 
     _store_plain_kernel[(triton.cdiv(t, rows), triton.cdiv(d, block_d))](
         x, mask.view(torch.uint8), i0, i1, dst,
         t, dst.shape[0], dst.shape[1], d, x.stride(0), dst.stride(0), dst.stride(1),
-        BLOCK_T=rows, BLOCK_D=block_d, num_warps=4,
+        BLOCK_T=rows, BLOCK_D=block_d, num_warps=4, **pdl_launch(x.device),
     )
 
 
@@ -241,9 +246,9 @@ def store_rows(q: QTensor, kind: str, x: torch.Tensor, index: tuple[torch.Tensor
     grid = (triton.cdiv(t, rows),)
     consts = {"BLOCK": block, "NB_P": triton.next_power_of_2(nb), "BLOCK_T": rows}
     if kind == "window":
-        _store_fp8_kernel[grid](*args, **consts, num_warps=4)
+        _store_fp8_kernel[grid](*args, **consts, num_warps=4, **pdl_launch(x.device))
     else:
-        _store_fp4_kernel[grid](*args, E4M3_SCALE=kind == "ckv", **consts, num_warps=4)
+        _store_fp4_kernel[grid](*args, E4M3_SCALE=kind == "ckv", **consts, num_warps=4, **pdl_launch(x.device))
 
 
 def round_trip(kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -263,6 +268,6 @@ def round_trip(kind: str, x: torch.Tensor) -> torch.Tensor:
         per = _rows_per_program(d)
         _round_trip_kernel[(triton.cdiv(m, per),)](
             rows, out, m, nb, rows.stride(0), out.stride(0),
-            FP8=kind == "window", E4M3_SCALE=kind == "ckv", BLOCK=block, NB_P=triton.next_power_of_2(nb), BLOCK_T=per, num_warps=4,
+            FP8=kind == "window", E4M3_SCALE=kind == "ckv", BLOCK=block, NB_P=triton.next_power_of_2(nb), BLOCK_T=per, num_warps=4, **pdl_launch(rows.device),
         )
     return out.view(x.shape)

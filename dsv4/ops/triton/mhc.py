@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import num_sms, sum_chunks
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 # GEMM tiling: rows per program (BLOCK_T, or MANY_BLOCK_T below; the rows are the MMA's M, so
 # a row's products and sums do not depend on how many rows share its program), K step, chunk (the unit of the split and of the fixed-order chunk sum; 80 chunks at
@@ -110,12 +111,13 @@ def _fp32_gemm_kernel(
     x_ptr, w_ptr, part_ptr,
     T, N, K, stride_x, stride_w, stride_part, stride_row,
     K_STEPS, CHUNK_STEPS, CHUNKS_PER_PROGRAM,
-    SUMSQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUMSQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """part[pid_c, rows, cols] = sum over this program's chunks of x @ w^T for the column block
     pid_n; SUMSQ: column N holds sum x^2 instead.
 
     Each chunk's sum starts from zero and is added to the running total, in chunk order."""
+    begin(PDL)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -186,7 +188,7 @@ def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Ten
         _fp32_gemm_kernel[(tiles, split, cols // block_n)](
             x2, w, part, t, n, k, x2.stride(0), w.stride(0), t * cols, cols,
             triton.cdiv(k, CONFIG["BLOCK_K"]), per, chunks // split,
-            SUMSQ=sumsq, BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+            SUMSQ=sumsq, BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"], **pdl_launch(x2.device),
         )
     return part
 
@@ -206,7 +208,7 @@ def fp32_gemm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _mixes_epilogue_kernel(
     part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
     T, K, stride_part, iters, norm_eps, hc_eps,
-    CHUNKS: tl.constexpr, HC: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHUNKS: tl.constexpr, HC: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """Chunk sums added in order, then pre = sigmoid(m * rsqrt * s0 + b) + eps, post = 2 *
     sigmoid(...), comb = Sinkhorn(softmax(...)) exactly as `ops.mhc.hc_mixes` orders them.
@@ -219,6 +221,7 @@ def _mixes_epilogue_kernel(
     vectorises the loads and keeps a comb row in one thread, which then runs HC divisions per
     normalisation (and the sums' order changes with the layout: the launch is fixed for every
     T)."""
+    begin(PDL)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = rt < T
     h = tl.arange(0, HC)
@@ -275,7 +278,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     _mixes_epilogue_kernel[(triton.cdiv(t, ebt),)](
         part, base.contiguous(), scale.contiguous(), pre, post, comb,
         t, k, t * part.shape[2], iters, norm_eps, hc_eps,
-        CHUNKS=part.shape[0], HC=hc, NP=part.shape[2], BLOCK_T=ebt, num_warps=1, enable_fp_fusion=False,
+        CHUNKS=part.shape[0], HC=hc, NP=part.shape[2], BLOCK_T=ebt, num_warps=1, enable_fp_fusion=False, **pdl_launch(part.device),
     )
     return pre, post, comb
 
@@ -287,11 +290,12 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
 def _collapse_kernel(
     x_ptr, pre_ptr, w_ptr, out_ptr,
     D, stride_xt, stride_xh, stride_ot, eps,
-    HC: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK_D: tl.constexpr,
+    HC: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row: h = bf16(sum_k pre_k * x_k) (fp32 sum in stream order); with NORM, the RMSNorm
     of h: stats in fp32, V4.1 rounds the normalised value to bf16 and multiplies by the bf16
     weight there, V4 multiplies by the fp32 weight and rounds once."""
+    begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -323,7 +327,7 @@ def _collapse(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, e
     _collapse_kernel[(t,)](
         x, pre, weight if weight is not None else pre, out, d, x.stride(0), x.stride(1), out.stride(0), eps,
         HC=hc, NORM=weight is not None, WEIGHT_IN_FP32=weight_in_fp32, BLOCK_D=block_d,
-        num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False,
+        num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False, **pdl_launch(x.device),
     )
     return out
 
@@ -342,12 +346,13 @@ def hc_collapse_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, e
 def _expand_kernel(
     y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
     D, stride_yt, stride_rt, stride_rh,
-    HC: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, k, cols] = post_k * y + sum_j comb[j, k] * residual_j: FP32 (V4.1) all in fp32,
     rounded once; else (V4) as the reference's activation-dtype ops round it: the mix as one
     matmul of bf16 comb (exact products, an fp32 sum, rounded), post (as bf16) times y
     rounded, the two added and rounded."""
+    begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = d < D
@@ -381,6 +386,6 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     y = y.contiguous()
     _expand_kernel[(t, triton.cdiv(d, EXPAND_BLOCK_D))](
         y, residual, post.contiguous(), comb.contiguous(), out, d, y.stride(0), residual.stride(0), residual.stride(1),
-        HC=hc, BLOCK_D=EXPAND_BLOCK_D, FP32=fp32, num_warps=4, enable_fp_fusion=False,
+        HC=hc, BLOCK_D=EXPAND_BLOCK_D, FP32=fp32, num_warps=4, enable_fp_fusion=False, **pdl_launch(y.device),
     )
     return out

@@ -60,6 +60,7 @@ from dsv4.ops.triton.fp8_gemm import (
     dequant_fp4, dequant_fp8, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, fp8_quantise, fragment_dot_order, fragment_order,
     fragment_order_tile, fragment_rows, launch_options, ptx_convert, step_dot, step_tile, wgmma_tile_error,
 )
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 inputs of an expert row
 FRAGMENT_BLOCK = 64  # inputs per block of the bf16 kernels' fragment order (`fragment_dot_order`)
@@ -220,7 +221,7 @@ def _sigma_inverse(c):
 @triton.jit(do_not_specialize=["n_pairs", "n_experts", "n_tiles"])
 def _align_kernel(
     ids_ptr, rows_ptr, tile_expert_ptr, n_pairs, n_experts, n_tiles,
-    BLOCK_T: tl.constexpr, E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, FILL: tl.constexpr,
+    BLOCK_T: tl.constexpr, E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program e < n_experts: expert e's segment of the layout of `align_by_expert`; program
     n_experts: the tiles past the used ones.
@@ -232,6 +233,7 @@ def _align_kernel(
     segment as padding. The programs write disjoint parts of the layout, so they need no
     ordering (one program for everything was 22 us at 448 pairs and 85 us at 1792, device
     profile of the fourth session)."""
+    begin(PDL)
     e = tl.program_id(0)
     bins = tl.arange(0, E_BLOCK)
     counts = tl.zeros((E_BLOCK,), dtype=tl.int32)
@@ -301,8 +303,9 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _swiglu_rows_kernel(h_ptr, rw_ptr, act_ptr, P, I, stride_h, stride_act, limit,
-                        HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
+                        HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr):
     """act [P, I] bf16 = swiglu(h[:, :I], h[:, I:]) (* rw per row): the dense path's epilogue."""
+    begin(PDL)
     rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = (rows < P)[:, None] & (cols < I)[None, :]
@@ -347,7 +350,7 @@ def _gate_up_kernel(
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
-    FRAGMENT: tl.constexpr, ACT_FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr, XREG: tl.constexpr,
+    FRAGMENT: tl.constexpr, ACT_FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr, XREG: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
     transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`), one
@@ -359,6 +362,7 @@ def _gate_up_kernel(
     input order and each tile is put in fragment order in registers, `fragment_order_tile`) and
     the weights enter the dot in it (`fragment_dot_order`); ACT_FRAGMENT: the activations are stored in fragment order, as
     the down kernel reads them. LAST_SLOT: see `_tile_pairs`."""
+    begin(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     # int64: an expert's offset e * stride_we passes 2**31 from expert 91 on at V4.1's shapes
@@ -418,11 +422,12 @@ def _down_kernel(
     WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
-    FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr,
+    FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16),
     computed transposed like `_gate_up_kernel` (FP4, LAST_SLOT, FRAGMENT: as there; the
     activations arrive in fragment order with FRAGMENT)."""
+    begin(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES, LAST_SLOT)  # int64: see _gate_up_kernel
@@ -464,7 +469,7 @@ def _gate_up_fp8_kernel(
     limit,
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PAIR_TILES: tl.constexpr, STACK: tl.constexpr, CH: tl.constexpr,
+    PAIR_TILES: tl.constexpr, STACK: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr,
 ):
     """`_gate_up_kernel` under FP8 activations: x arrives quantised (FP8 codes xq, exponent
     bytes xs per 32 inputs); each 32-input piece is one FP8 x FP8 MMA from zero, straight from
@@ -473,6 +478,7 @@ def _gate_up_fp8_kernel(
     the reference's down projection receives it, and quantises it per 32 channels of a pair
     (the program's CH channels, BLOCK_N / 2 with STACK, are whole blocks): codes to aq,
     exponent bytes to as."""
+    begin(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES, 0)  # int64: see _gate_up_kernel
@@ -528,10 +534,11 @@ def _down_fp8_kernel(
     n_pairs, n_experts, D, I,
     stride_aq, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     WEIGHT_BEFORE_DOWN: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PAIR_TILES: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PAIR_TILES: tl.constexpr, PDL: tl.constexpr,
 ):
     """`_down_kernel` under FP8 activations: the quantised activations of `_gate_up_fp8_kernel`
     times the FP8 down weights, one FP8 x FP8 MMA per 32 inputs scaled into fp32."""
+    begin(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, pair = _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T, PAIR_TILES, 0)
@@ -566,12 +573,13 @@ def _down_fp8_kernel(
 
 @triton.jit
 def _sum_slots_kernel(y_ptr, ids_ptr, row_ptr, out_ptr, D, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                      LAST_AFTER_ROUNDING: tl.constexpr):
+                      LAST_AFTER_ROUNDING: tl.constexpr, PDL: tl.constexpr):
     """out[t] = ((0 + y[t, s_0]) + y[t, s_1]) + ... in fp32 (stored in out's dtype), s_0, s_1,
     ... the token's slots in ascending expert id (ties in slot order): the order the reference
     adds experts in. LAST_AFTER_ROUNDING (V4's shared expert, the highest id): the sum before
     the last slot is rounded to bf16 and the last added to it in bf16.
     GATHER: pair p = t * TOPK + s is row row_ptr[p] of y (else row p)."""
+    begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
@@ -615,7 +623,7 @@ def align_by_expert(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tup
     if n <= MOE["ALIGN_MAX_PAIRS"]:
         _align_kernel[(n_experts + 1,)](
             flat_ids, rows, tile_expert, n, n_experts, n_tiles,
-            BLOCK_T=block_m, E_BLOCK=triton.next_power_of_2(n_experts + 1), P_BLOCK=ALIGN_P_BLOCK, FILL=256, num_warps=4,
+            BLOCK_T=block_m, E_BLOCK=triton.next_power_of_2(n_experts + 1), P_BLOCK=ALIGN_P_BLOCK, FILL=256, num_warps=4, **pdl_launch(flat_ids.device),
         )
         return rows, tile_expert
     counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
@@ -652,7 +660,7 @@ def _slot_sums(y: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype, pair_
     _sum_slots_kernel[(t, triton.cdiv(d, 1024))](
         y, ids, ids if pair_rows is None else pair_rows, out, d,
         TOPK=topk, K_BLOCK=max(2, triton.next_power_of_2(topk)), BLOCK=1024, GATHER=pair_rows is not None,
-        LAST_AFTER_ROUNDING=shared_after_rounding, num_warps=4,
+        LAST_AFTER_ROUNDING=shared_after_rounding, num_warps=4, **pdl_launch(y.device),
     )
     return out
 
@@ -746,7 +754,7 @@ def moe_experts_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     block_p, block_i = 32, 128
     _swiglu_rows_kernel[(triton.cdiv(n_pairs, block_p), triton.cdiv(inter, block_i))](
         h, rw, act, n_pairs, inter, h.stride(0), act.stride(0), float(limit),
-        HAS_LIMIT=limit > 0, WEIGHTED=weight_before_down, BLOCK_P=block_p, BLOCK_I=block_i, num_warps=4,
+        HAS_LIMIT=limit > 0, WEIGHTED=weight_before_down, BLOCK_P=block_p, BLOCK_I=block_i, num_warps=4, **pdl_launch(h.device),
     )
     del h
     if fp8_act:
@@ -858,7 +866,7 @@ def moe_experts(
             TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0,
             PAIR_TILES=pair_tiles, STACK=stack, CH=gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"],
-            **launch_options(gu),
+            **launch_options(gu), **pdl_launch(xq.device),
         )
         _down_fp8_kernel[(n_tiles, triton.cdiv(d, dn["BLOCK_N"]))](
             act_q, act_s, w2, w2_scale, rows, tile_expert, weights, y,
@@ -866,7 +874,7 @@ def moe_experts(
             act_q.stride(0), act_s.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
             WEIGHT_BEFORE_DOWN=weight_before_down,
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PAIR_TILES=pair_tiles,
-            **launch_options(dn),
+            **launch_options(dn), **pdl_launch(act_q.device),
         )
         return _slot_sums(y, ids, out_dtype, shared_after_rounding=shared_after_rounding)
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
@@ -890,7 +898,7 @@ def moe_experts(
             BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
             WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot,
             FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and gu_slots, XREG=x_reg,
-            **launch_options(gu),
+            **launch_options(gu), **pdl_launch(x.device),
         )
         _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
             act, w2, w2_scale, rows, tile_expert, weights, y,
@@ -900,7 +908,7 @@ def moe_experts(
             BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
             WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
             FRAGMENT=act_fragment, WARPS=dn["num_warps"], SLOTS=fp4 and dn_slots,
-            **launch_options(dn),
+            **launch_options(dn), **pdl_launch(act.device),
         )
 
     launch(w13, w13_scale, w2, w2_scale, fp4, w13.shape[0], 0)

@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv4.ops.triton.mhc import fp32_gemm_parts
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 
 @triton.jit
@@ -54,7 +55,8 @@ def _store_route(ids_ptr, weights_ptr, row, picked, chosen, slots, extra_id, TOP
 @triton.jit
 def _route_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_part, stride_l, temp, scale, extra_id,
                   CHUNKS: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, EXTRA: tl.constexpr, E_BLOCK: tl.constexpr,
-                  K_BLOCK: tl.constexpr):
+                  K_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, E_BLOCK)
     ok = cols < E
@@ -93,7 +95,7 @@ def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k:
             part, bias.float().contiguous(), weights, ids, e, part.stride(0), part.stride(1), float(temp), float(routed_scale),
             -1 if extra_expert is None else int(extra_expert),
             CHUNKS=part.shape[0], TOP_K=top_k, NORMALIZE=normalize and top_k > 1, EXTRA=extra_expert is not None,
-            E_BLOCK=triton.next_power_of_2(e), K_BLOCK=max(2, triton.next_power_of_2(width)), num_warps=4 if e > 256 else 1,
+            E_BLOCK=triton.next_power_of_2(e), K_BLOCK=max(2, triton.next_power_of_2(width)), num_warps=4 if e > 256 else 1, **pdl_launch(part.device),
         )
     return weights, ids
 
@@ -101,11 +103,12 @@ def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k:
 @triton.jit
 def _route_v4_kernel(logit_ptr, bias_ptr, fixed_ptr, weights_ptr, ids_ptr, E, stride_l, stride_fixed, scale, extra_id,
                      TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, FIXED: tl.constexpr, EXTRA: tl.constexpr, E_BLOCK: tl.constexpr,
-                     K_BLOCK: tl.constexpr):
+                     K_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One token: V4's routing from its bf16 logits, every step rounded to bf16 where the
     reference's bf16 torch ops round (softplus, sqrt, the gathered weights' sum, + 1e-20, the
     division, the scale); softplus and exp as CUDA's libm (libdevice), so the same bits as
     torch on the GPU. FIXED: the hash layers' ids (no bias, no selection)."""
+    begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, E_BLOCK)
     ok = cols < E
@@ -145,6 +148,6 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, ro
             logits, logits if bias is None else bias.float().contiguous(), fixed_ids, weights, ids, e, logits.stride(0), fixed_ids.stride(0),
             float(routed_scale), -1 if extra_expert is None else int(extra_expert),
             TOP_K=top_k, NORMALIZE=normalize and top_k > 1, FIXED=fixed is not None, EXTRA=extra_expert is not None,
-            E_BLOCK=triton.next_power_of_2(e), K_BLOCK=max(2, triton.next_power_of_2(width)), num_warps=4 if e > 256 else 1,
+            E_BLOCK=triton.next_power_of_2(e), K_BLOCK=max(2, triton.next_power_of_2(width)), num_warps=4 if e > 256 else 1, **pdl_launch(logits.device),
         )
     return weights, ids

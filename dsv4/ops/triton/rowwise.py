@@ -15,15 +15,17 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from dsv4.ops.triton.pdl import begin, pdl_launch
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, WEIGHT_IN_FP32: tl.constexpr, BLOCK: tl.constexpr,
-                     WEIGHTED: tl.constexpr):
+                     WEIGHTED: tl.constexpr, PDL: tl.constexpr):
     """out = weight * (x * rsqrt(mean(x^2) + eps)): V4.1 rounds the normalised value to the
     activation dtype before the weight multiply (WEIGHT_IN_FP32 False), V4 multiplies in fp32.
     Not WEIGHTED (V4's q heads, `norm.head_norm`): x * rsqrt(...) with the scale rounded to the
     activation dtype first."""
+    begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -53,19 +55,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_in
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(x2.shape[0],)](x2, x2 if weight is None else weight, out, x2.stride(0), out.stride(0), n, float(eps),
                                           WEIGHT_IN_FP32=weight_in_fp32, BLOCK=block, WEIGHTED=weight is not None,
-                                          num_warps=4 if block <= 2048 else 8)
+                                          num_warps=4 if block <= 2048 else 8, **pdl_launch(x2.device))
     return out.view(x.shape)
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, V, M, lead, stride_xt, stride_xm, stride_c,
-                 HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+                 HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """In place: rotate the trailing pairs (even, odd) of BLOCK_V vectors (vector v = token
     v // M, vector v % M of it) by their token's angle: (e*c - o*s, e*s + o*c), fp32 math;
     INVERSE negates the sine. cos/sin [T, HALF] hold the activation dtype's rounding of the
     angles. The `lead` channels before them are not touched (not read, not written). The
     2*HALF rotated channels of a vector are one contiguous load and store (16-byte accesses),
     split into even and odd channels in registers."""
+    begin(PDL)
     v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     ok = (v < V)[:, None]
     t = v // M
@@ -104,15 +107,16 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
         _rope_kernel[(triton.cdiv(t * m, ROPE_BLOCK_V),)](
             x, cos, sin, t * m, m, d - 2 * half, x.stride(0), x.stride(1) if x.dim() == 3 else 0, cos.stride(0),
             HALF=half, INVERSE=inverse, BLOCK_V=ROPE_BLOCK_V, num_warps=4,
-            enable_fp_fusion=False)  # no multiply-add contraction: the reference rounds each product
+            enable_fp_fusion=False, **pdl_launch(x.device))  # no multiply-add contraction: the reference rounds each product
     return x
 
 
 @triton.jit
-def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """cos / sin [T, HALF] of angle position x inv_freq, in fp32, rounded to the tables'
     dtype: the reference's operations (an fp32 product, then libdevice's cosf / sinf, which
     torch's CUDA cos / sin call too, not the approximate hardware ones), so the same bits."""
+    begin(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = (t < T)[:, None]
     angle = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)[:, None] * tl.load(inv_ptr + tl.arange(0, HALF))[None, :]
@@ -137,5 +141,5 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
     if t:
         _rope_tables_kernel[(triton.cdiv(t, ROPE_TABLE_BLOCK_T),)](positions.contiguous(), inv_freq.contiguous(), cos, sin, t,
                                                                     HALF=half, BLOCK_T=ROPE_TABLE_BLOCK_T, num_warps=4,
-                                                                    enable_fp_fusion=False)
+                                                                    enable_fp_fusion=False, **pdl_launch(positions.device))
     return cos, sin
