@@ -16,6 +16,10 @@ step, with its launch count, its share of the step and the GPU's idle time betwe
 issues outside the Triton kernels by the dsv4 source line that issued them (the profiler of
 the device's torch records no Python callers): where a step's small torch launches come from.
 
+The kernels are launched without programmatic dependent launch (`dsv4.ops.triton.pdl`), so
+that each kernel's time is its own: with PDL a kernel starts while its predecessor runs and
+its time would include the wait. `--pdl` profiles them as the bench runs them.
+
 `--copies`: also lists an eager step's copy ops (copy_, clone, _to_copy, contiguous; a copy
 counts under each op it passes through) by input shapes with the GPU time of their kernels:
 which tensors the graphs' `direct_copy_kernel` launches move (the nineteenth session's: the
@@ -41,6 +45,7 @@ from dsv4.bench import forward as bench  # noqa: E402
 from dsv4.bench.roofline import case_floor, parse_cases, plan_case  # noqa: E402
 from dsv4.model.model import Model  # noqa: E402
 from dsv4.model.random_weights import random_weights  # noqa: E402
+from dsv4.ops.triton import pdl  # noqa: E402
 
 
 def kernel_table(step, steps: int) -> dict:
@@ -125,8 +130,10 @@ def main() -> int:
     p.add_argument("--eager", action="store_true", help="also profile the eager step (Model.forward, no padding)")
     p.add_argument("--torch-ops", action="store_true", help="also list an eager step's aten ops by source line")
     p.add_argument("--copies", action="store_true", help="also list an eager step's copy ops by input shape, with their GPU time")
+    p.add_argument("--pdl", action="store_true", help="launch with PDL, as the bench does (kernel times then include their waits)")
     p.add_argument("--json")
     args = p.parse_args()
+    pdl.PDL = args.pdl  # before any capture: the graphs keep the launch attributes they were captured with
     dtype, device = torch.bfloat16, torch.device("cuda")
     cfg = bench.bench_config(args.config, num_layers=args.num_layers, num_experts=args.num_experts, engram_rows=bench.DEFAULT_ENGRAM_ROWS)
     token_map = torch.randint(0, cfg.engram_compressed_vocab_size, (cfg.vocab_size,), generator=torch.Generator().manual_seed(0))
@@ -145,7 +152,7 @@ def main() -> int:
         table = kernel_table(lambda: runner.run(batch), args.steps)
         floor = case_floor(cfg, case, dtype)["floor_ms"]
         doc[case.name] = {"case": case.text, "step_ms": statistics.median(times), "floor_ms": floor, **table}
-        print(f"\n== {case.text}: step {doc[case.name]['step_ms']:.3f} ms (floor {floor:.3f}), GPU span {table['span_us'] / 1e3:.3f} ms, "
+        print(f"\n== {case.text}{' (PDL)' if args.pdl else ' (no PDL)'}: step {doc[case.name]['step_ms']:.3f} ms (floor {floor:.3f}), GPU span {table['span_us'] / 1e3:.3f} ms, "
               f"kernels {table['kernel_us'] / 1e3:.3f} ms, {sum(k['calls'] for k in table['kernels']):.0f} launches")
         for k in table["kernels"][: args.top]:
             print(f"  {k['us']:9.1f} us {100 * k['us'] / table['kernel_us']:5.1f}% {k['calls']:6.1f}x  {k['name'][:110]}")
