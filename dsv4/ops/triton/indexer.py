@@ -522,15 +522,15 @@ def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int, labels: 
     lengths = lengths.contiguous()
     lab = out if labels is None else (labels if labels.stride(-1) == 1 else labels.contiguous())
     cfg = TOPK_CONFIG
-    opts = {"BLOCK": cfg["BLOCK"], "num_warps": cfg["num_warps"], "LABELS": labels is not None}
+    opts = {"BLOCK": cfg["BLOCK"], "num_warps": cfg["num_warps"], "LABELS": labels is not None, **pdl_launch(scores.device)}
     chunk, chunks = topk_chunks(t, width, k, scores.device)
     if chunks == 1:
-        _topk_kernel[(t, 1)](scores, out, lengths, out, out, lab, width, k, width, scores.stride(0), 0, lab.stride(0), STAGE=0, **opts, **pdl_launch(scores.device))
+        _topk_kernel[(t, 1)](scores, out, lengths, out, out, lab, width, k, width, scores.stride(0), 0, lab.stride(0), STAGE=0, **opts)
         return out
     cand = torch.empty(t * chunks, k, dtype=torch.int32, device=scores.device)
     cand_v = torch.empty(t * chunks, k, dtype=torch.float32, device=scores.device)
-    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, lab, width, k, chunk, scores.stride(0), 0, lab.stride(0), STAGE=1, **opts, **pdl_launch(scores.device))
-    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, lab, width, k, chunk, chunks * k, chunks * k, lab.stride(0), STAGE=2, **opts, **pdl_launch(cand_v.device))
+    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, lab, width, k, chunk, scores.stride(0), 0, lab.stride(0), STAGE=1, **opts)
+    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, lab, width, k, chunk, chunks * k, chunks * k, lab.stride(0), STAGE=2, **opts)
     return out
 
 
