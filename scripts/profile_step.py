@@ -45,7 +45,6 @@ from dsv4.bench import forward as bench  # noqa: E402
 from dsv4.bench.roofline import case_floor, parse_cases, plan_case  # noqa: E402
 from dsv4.model.model import Model  # noqa: E402
 from dsv4.model.random_weights import random_weights  # noqa: E402
-from dsv4.ops.triton import pdl  # noqa: E402
 
 
 def kernel_table(step, steps: int) -> dict:
@@ -133,6 +132,8 @@ def main() -> int:
     p.add_argument("--pdl", action="store_true", help="launch with PDL, as the bench does (kernel times then include their waits)")
     p.add_argument("--json")
     args = p.parse_args()
+    from dsv4.ops.triton import pdl  # (here: importing the kernels at module level would fix them as compiled, and the CPU tests import this module)
+
     pdl.PDL = args.pdl  # before any capture: the graphs keep the launch attributes they were captured with
     dtype, device = torch.bfloat16, torch.device("cuda")
     cfg = bench.bench_config(args.config, num_layers=args.num_layers, num_experts=args.num_experts, engram_rows=bench.DEFAULT_ENGRAM_ROWS)

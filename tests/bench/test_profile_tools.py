@@ -125,3 +125,14 @@ def test_device_run_bench_imports_the_tree_pythonpath_names(tmp_path, tree):
     out = subprocess.run(["bash", "-c", function + "\nbench 60 --cases x"], cwd=checkout, env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == [tree, "['bench',", "'forward',", "'--cases',", "'x']"], out
+
+
+@pytest.mark.parametrize("script", ["profile_step", "time_step_build", "ncu_kernels", "check_kernels"])
+def test_device_scripts_import_no_kernel_module(script):
+    """Test modules import these scripts at collection time, before tests/ops/conftest.py sets
+    TRITON_INTERPRET=1: a kernel module imported then stays compiled-only, and every CPU kernel
+    test after it fails (as a module-level `pdl` import in profile_step once made 214 fail)."""
+    code = f"import sys; sys.path.insert(0, 'scripts'); import {script}; print([m for m in sys.modules if m.startswith('dsv4.ops.triton')])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
