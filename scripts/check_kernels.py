@@ -17,6 +17,8 @@ Section attention_sweep (under 110 s: `--sections attention_sweep --budget 140`)
 sparse-attention tilings at decode T = 1, 8, 64, 256 and a 4096-token prefill chunk, replayed
 from CUDA graphs over rotating input sets, and prints each size's fastest correct one ("BEST")
 with its fraction of the floor.
+Section defaults (only when named) times each swept kernel's default configuration alone, as
+the sweeps time it: a kernel A/B of two trees is one run in each (device_run.sh STEPS=kernels_ab).
 
 Each section runs in its own process (a kernel that faults cannot take the others down) under
 a share of the time budget; a failing case is reported and the rest go on. Prints a table and
@@ -81,7 +83,19 @@ SECTIONS = {  # name -> share of the time budget, in running order
     "w8a16_sweep": 0.15,
     "dequant_sweep": 0.05,
     "moe_sweep": 0.15,
+    "defaults": 0.3,
 }
+# Sections run only when named: `defaults` times what the sweeps time, for kernel A/Bs
+ON_REQUEST = ("defaults",)
+# Set by section `defaults` (in the environment, so that the sweeps' compile workers see it):
+# every sweep runs its default candidate only (`swept`)
+DEFAULTS_ONLY_ENV = "CHECK_KERNELS_DEFAULTS_ONLY"
+
+
+def swept(candidates: list) -> list:
+    """The candidates a sweep runs: all of them, or under section `defaults` only the first
+    (every sweep lists its default first)."""
+    return candidates[:1] if os.environ.get(DEFAULTS_ONLY_ENV) == "1" else candidates
 
 RECORDS: list[dict] = []
 JSON_PATH: list[Path] = []  # the child's output file, rewritten after every record
@@ -595,7 +609,7 @@ def moe_prefill_tiles(t: int, data: tuple) -> None:
     xt, it, wt = x[:t], ids[:t], weights[:t]
     flops = 2 * it.numel() * 3 * (two_i // 2) * d
     ref = moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True)
-    for bt, gu, dn, *knobs in MOE_PREFILL_TILES:
+    for bt, gu, dn, *knobs in swept(MOE_PREFILL_TILES):
         keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "STACK", "maxnreg")
         cand = {"cfg": {"BLOCK_T": bt, "gate_up": dict(zip(keys, gu)), "down": dict(zip(keys, dn))}, "knobs": knobs[0] if knobs else {}}
         label = moe_label(cand)
@@ -756,7 +770,7 @@ def w8a16_candidates(m: int, n: int, k: int, block: int) -> list[dict]:
         if chunks > 1:
             cands.append({"tile": default, "split": 0.0})
         cands.append({"tile": default, "convert": "fp32"})
-    return cands
+    return swept(cands)
 
 
 class w8a16_knobs:
@@ -900,7 +914,7 @@ def moe_candidates(pairs: int, experts: int) -> list[dict]:
     tiles += [make(b, *MOE_TILES[b][0]) for b in (bt // 2, bt * 2) if b in MOE_TILES]
     listed = [c["cfg"] for c in cands]
     cands += [{"cfg": cfg, "knobs": {}} for cfg in tiles if cfg not in listed]
-    return cands
+    return swept(cands)
 
 
 class moe_knobs:
@@ -1092,6 +1106,17 @@ def section_w8a16_sweep() -> None:
 def section_moe_sweep() -> None:
     """The MoE half of gemm_sweep alone."""
     run_gemm_sweep(("moe",))
+
+
+def section_defaults() -> None:
+    """Each swept kernel's default configuration alone, timed as its sweep times it: attention
+    at ATTN_SWEEP_ROWS, the weight-only projections at SWEEP_ROWS, the MoE loads of SWEEP_MOE,
+    the prefill MoE class at 385 experts. Run once per tree (or knob setting) for a kernel A/B:
+    scripts/device_run.sh STEPS=kernels_ab. Only when named (ON_REQUEST)."""
+    os.environ[DEFAULTS_ONLY_ENV] = "1"
+    section_attention_sweep()
+    run_gemm_sweep(("w8a16", "moe"))
+    guarded("moe_prefill", "tiles E=385", moe_prefill_tiles_real)
 
 
 
@@ -1394,7 +1419,7 @@ def attention_sweep_jobs() -> list[tuple[int, dict]]:
 
     seen, jobs = set(), []
     for t in ATTN_SWEEP_ROWS:
-        for cand in ATTN_SWEEP:
+        for cand in swept(ATTN_SWEEP):
             cfg = {**attention.CONFIG, **cand}
             plan = attention_plan(t, torch.device("cuda"), cfg)
             key = (plan["LOGIT_BLOCK_H"], plan["DSPLIT"], plan["tiles_per_program"] == 1, plan["DENSE_CKV"], *(cfg[k] for k in ATTN_LOGIT_KEYS + ATTN_PV_KEYS))
@@ -1437,7 +1462,7 @@ def attention_sweep_shape(t: int, deadline: float) -> None:
     nbytes, flops = attention_cost(sets[0], decode)
     ref = attention_ops.sparse_attention_reference(**sets[0])
     base, rows = None, []
-    for cand in ATTN_SWEEP:
+    for cand in swept(ATTN_SWEEP):
         label = attention_label(cand)
         if time.time() > deadline:
             record("attention_sweep", f"T={t} {label}", "skipped", reason=f"sweep past {ATTN_SWEEP_SECONDS:.0f} s")
@@ -2923,7 +2948,8 @@ def summary(records: list[dict]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}")
+    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in ON_REQUEST),
+                        help=f"comma-separated subset of {list(SECTIONS)} (default: all but {list(ON_REQUEST)})")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all sections together")
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90 here (no GPU needed) and report registers / spills")
     parser.add_argument("--section", help=argparse.SUPPRESS)

@@ -5,7 +5,7 @@
 #   run(command="bash scripts/device_run.sh", carry=["devdata", ".device_wheels"])
 # Knobs (environment): STEPS (default kernels,insitu,golden,bench,exact,baseline; also insitu8 and bench8: the
 # same with FP8 activations, insitu4: with FP4 experts, insitu_v4, golden_v4 and bench_v4: V4-Flash, ab, ncu,
-# ncu_source, profile), KERNEL_SECTIONS,
+# ncu_source, profile, kernels_ab), KERNEL_SECTIONS,
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, BASELINE_CONFIG (v41 or v4), NCU_CASES, NCU_TIMEOUT (steps ncu and ncu_source;
 # ncu_source also NCU_KERNELS (a regex), NCU_SKIP, NCU_COUNT: launches skipped / profiled), AB_CASES + AB_ENV (the bench's cases again under other kernel
@@ -115,6 +115,16 @@ if want ab; then  # A/B: the same cases under other kernel knobs, one run per va
     (eval "export ${variants[$i]}"; bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
       --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward_ab$i.json" --no-baseline ${AB_FLAGS:-} ${AB_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768} 2>&1 \
       | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -30)
+  done
+fi
+if want kernels_ab; then  # kernel A/B: check_kernels' `defaults` section once per AB_ENV variant; AB_TREE: the tree whose
+  # scripts/check_kernels.py runs (and so whose dsv4/ it imports), e.g. AB_ENV="AB_TREE=ab_old;AB_TREE=." (trees that have the section)
+  IFS=';' read -ra variants <<< "$AB_ENV"
+  for i in "${!variants[@]}"; do
+    echo "=== kernels_ab $i (${variants[$i]})" | tee -a "$LOG"
+    (eval "export ${variants[$i]}"; mkdir -p "$OUT/kernels_ab$i"
+     OUT="$OUT/kernels_ab$i" timeout $(( ${KERNEL_BUDGET:-150} + 40 )) python "${AB_TREE:-.}/scripts/check_kernels.py" --sections defaults \
+       --budget "${KERNEL_BUDGET:-150}" 2>&1 | tee -a "$LOG" | grep -E "^(attention_sweep|gemm_sweep|moe_prefill)|ERROR" | tail -40)
   done
 fi
 if want profile; then  # which kernels a step's time goes to (scripts/profile_step.py)

@@ -136,3 +136,22 @@ def test_device_scripts_import_no_kernel_module(script):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_device_run_kernels_ab_runs_each_trees_defaults_section(tmp_path):
+    """device_run.sh's `kernels_ab`: check_kernels' `defaults` section once per AB_ENV variant,
+    from the variant's AB_TREE, each writing under its own $OUT/kernels_ab<i>."""
+    checkout = tmp_path / "checkout"
+    for tree, root in (("new", checkout), ("old", checkout / "ab_old")):
+        (root / "scripts").mkdir(parents=True)
+        (root / "scripts" / "check_kernels.py").write_text(
+            f"import os, sys\nprint('attention_sweep {tree}', sys.argv[1:], os.path.basename(os.environ['OUT']))\n")
+    (checkout / "scripts" / "device_run.sh").write_text((REPO / "scripts" / "device_run.sh").read_text())
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "OUT": str(out), "STEPS": "kernels_ab",
+           "AB_ENV": "AB_TREE=ab_old;AB_TREE=.", "KERNEL_BUDGET": "5"}
+    subprocess.run(["bash", "scripts/device_run.sh"], cwd=checkout, env=env, capture_output=True, text=True, timeout=120)
+    runs = [line for line in (out / "log.txt").read_text().splitlines() if line.startswith("attention_sweep")]
+    args = "['--sections', 'defaults', '--budget', '5']"
+    assert runs == [f"attention_sweep old {args} kernels_ab0", f"attention_sweep new {args} kernels_ab1"], runs
