@@ -69,3 +69,6 @@ def test_launch_arguments(monkeypatch):
     monkeypatch.setitem(pdl._CAPABLE, cuda, True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert pdl.pdl_launch(cuda) == {"PDL": False}
+    assert not pdl.compiled(cuda) and not pdl.compiled(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert pdl.compiled(cuda)

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from dsv4.model import quant
-from dsv4.ops.triton.pdl import begin, pdl_launch
+from dsv4.ops.triton.pdl import begin, compiled, pdl_launch
 
 # Rows from which `fp8_linear` switches from the weight-only kernel to the FP8 x FP8 kernel.
 W8A8_MIN_ROWS = 1024
@@ -138,7 +138,7 @@ FP8_CONVERT = "ptx"
 
 def ptx_convert(device: torch.device) -> bool:
     """Whether kernels on `device` dequantise with the PTX permute (compiled CUDA only)."""
-    return FP8_CONVERT == "ptx" and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return FP8_CONVERT == "ptx" and compiled(device)
 
 
 @triton.jit

@@ -30,10 +30,16 @@ PDL = True  # knob: launch the fast path's kernels with programmatic dependent l
 _CAPABLE: dict[torch.device, bool] = {}
 
 
+def compiled(device: torch.device) -> bool:
+    """Whether kernels on `device` run compiled for CUDA (not in Triton's interpreter): what
+    PDL and the kernels' inline PTX need."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def pdl_launch(device: torch.device) -> dict:
     """The launch arguments of a kernel on `device`: its PDL constexpr, and the launch
     attribute where the device supports it (sm_90+, compiled)."""
-    if not PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not PDL or not compiled(device):
         return {"PDL": False}
     if device not in _CAPABLE:
         _CAPABLE[device] = torch.cuda.get_device_capability(device)[0] >= 9
