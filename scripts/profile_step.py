@@ -20,6 +20,9 @@ The kernels are launched without programmatic dependent launch (`dsv4.ops.triton
 that each kernel's time is its own: with PDL a kernel starts while its predecessor runs and
 its time would include the wait. `--pdl` profiles them as the bench runs them.
 
+`--timeline`: also stores (in the --json file) one replay's kernels in start order with their
+streams, durations and the idle gaps between them: the step's critical chain.
+
 `--copies`: also lists an eager step's copy ops (copy_, clone, _to_copy, contiguous; a copy
 counts under each op it passes through) by input shapes with the GPU time of their kernels:
 which tensors the graphs' `direct_copy_kernel` launches move (the nineteenth session's: the
@@ -67,6 +70,24 @@ def kernel_table(step, steps: int) -> dict:
     busy = sum(v[1] for v in per_name.values())
     rows = sorted(((n, c / steps, us / steps) for n, (c, us) in per_name.items()), key=lambda r: -r[2])
     return {"span_us": (end - start) / steps, "kernel_us": busy / steps, "kernels": [{"name": n, "calls": c, "us": us} for n, c, us in rows]}
+
+
+def timeline(step) -> list[dict]:
+    """One replay of `step` under the profiler, kernel by kernel in start order: name, stream,
+    start (us from the first kernel's), duration and the idle gap since the latest end before
+    it on any stream (negative: it overlapped its predecessor)."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    t0, last_end, out = kernels[0].time_range.start, kernels[0].time_range.start, []
+    for e in kernels:
+        out.append({"name": e.name, "stream": getattr(e, "device_resource_id", None), "start_us": e.time_range.start - t0,
+                    "us": e.device_time, "gap_us": e.time_range.start - last_end})
+        last_end = max(last_end, e.time_range.end)
+    return out
 
 
 # aten ops that only make views or read metadata: no kernel
@@ -130,6 +151,7 @@ def main() -> int:
     p.add_argument("--torch-ops", action="store_true", help="also list an eager step's aten ops by source line")
     p.add_argument("--copies", action="store_true", help="also list an eager step's copy ops by input shape, with their GPU time")
     p.add_argument("--pdl", action="store_true", help="launch with PDL, as the bench does (kernel times then include their waits)")
+    p.add_argument("--timeline", action="store_true", help="also store one replay's kernels in start order (with --json)")
     p.add_argument("--json")
     args = p.parse_args()
     from dsv4.ops.triton import pdl  # (here: importing the kernels at module level would fix them as compiled, and the CPU tests import this module)
@@ -153,6 +175,8 @@ def main() -> int:
         table = kernel_table(lambda: runner.run(batch), args.steps)
         floor = case_floor(cfg, case, dtype)["floor_ms"]
         doc[case.name] = {"case": case.text, "step_ms": statistics.median(times), "floor_ms": floor, **table}
+        if args.timeline:
+            doc[case.name]["timeline"] = timeline(lambda: runner.run(batch))
         print(f"\n== {case.text}{' (PDL)' if args.pdl else ' (no PDL)'}: step {doc[case.name]['step_ms']:.3f} ms (floor {floor:.3f}), GPU span {table['span_us'] / 1e3:.3f} ms, "
               f"kernels {table['kernel_us'] / 1e3:.3f} ms, {sum(k['calls'] for k in table['kernels']):.0f} launches")
         for k in table["kernels"][: args.top]:
