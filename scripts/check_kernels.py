@@ -2615,6 +2615,15 @@ def compile_targets() -> list[tuple]:
     for inverse in (False, True):
         out.append((f"rope D=512 inverse={inverse}", rowwise._rope_kernel, rope, {"HALF": 32, "INVERSE": inverse, "BLOCK_V": rowwise.ROPE_BLOCK_V},
                     {"num_warps": 4, "enable_fp_fusion": False}))
+    latent = {"x_ptr": "*bf16:16", "qw_ptr": "*bf16:16", "kvw_ptr": "*bf16:16", "q_ptr": "*bf16:16", "kv_ptr": "*bf16:16", "cos_ptr": "*bf16:16",
+              "sin_ptr": "*bf16:16", "stride_x": a, "stride_q": a, "stride_kv": a, "stride_c": a, "QN": a, "eps": f}
+    out.append(("latent_inputs q 1280 kv 512 (V4.1)", rowwise._latent_inputs_kernel, latent,
+                {"WEIGHT_IN_FP32": False, "Q_BLOCK": 2048, "KVN": 512, "HALF": 32, "FP8": True}, {"num_warps": 4, "enable_fp_fusion": False}))
+    queries = {"q_ptr": "*bf16:16", "cos_ptr": "*bf16:16", "sin_ptr": "*bf16:16", "i_ptr": "*bf16:16", "icos_ptr": "*bf16:16", "isin_ptr": "*bf16:16",
+               "VQ": i, "H": i, "VI": i, "IH": i, "stride_qt": a, "stride_qh": a, "stride_it": a, "stride_ih": a, "stride_c": a, "stride_ic": a, "q_lead": a}
+    for fp4 in (True, False):
+        out.append((f"rope_queries 64 x 512 + indexer 32 x 128 fp4={fp4}", rowwise._query_rope_kernel, queries,
+                    {"HALF": 32, "ID": 128, "IHALF": 32, "FP4": fp4, "BLOCK_V": rowwise.ROPE_BLOCK_V}, {"num_warps": 4, "enable_fp_fusion": False}))
     tables = {"pos_ptr": "*i64:16", "inv_ptr": "*fp32:16", "cos_ptr": "*bf16:16", "sin_ptr": "*bf16:16", "T": i}
     out.append(("rope_tables HALF=32", rowwise._rope_tables_kernel, tables, {"HALF": 32, "BLOCK_T": rowwise.ROPE_TABLE_BLOCK_T},
                 {"num_warps": 4, "enable_fp_fusion": False}))

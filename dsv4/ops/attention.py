@@ -7,15 +7,49 @@ in V4.1's formats (FP8 ring, FP4 compressed KV) or V4's (both bf16 values, no sc
 the layouts) on CUDA bf16 tensors and the torch reference elsewhere (CPU runs of the fast
 path, and the kernel's test oracle). Same signature, same numerics: logits rounded to the
 activation dtype, fp32 softmax, probabilities rounded before multiplying V.
+
+`latent_inputs` and `rope_queries_` prepare its inputs: the fast path's norms, rotations and
+fake quantisations of q, kv and the indexer's queries, two launches a layer on Triton
+(`dsv4.ops.triton.rowwise`) where the separate ops took five to seven; elsewhere those ops.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsv4.cache.storage import CKV_BLOCK, FP8_BLOCK
+from dsv4.cache.storage import CKV_BLOCK, FP8_BLOCK, QTensor
 from dsv4.model import quant
 from dsv4.ops import on_triton
+from dsv4.ops import kv as kvops
+from dsv4.ops.norm import rms_norm
+from dsv4.ops.rope import apply_rope_
+
+
+def latent_inputs(qkv: torch.Tensor, q_width: int, q_norm: torch.Tensor, kv_norm: torch.Tensor, eps: float, weight_in_fp32: bool,
+                  cos: torch.Tensor, sin: torch.Tensor, ring: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked wq_a + wkv output qkv [T, q_width + D] -> (q_res, kv): each part RMS-normed,
+    kv then RoPE'd (cos / sin [T, rd/2]) and rounded as `ring` stores it (the window's QAT)."""
+    if on_triton(qkv) and qkv.dtype == torch.bfloat16 and qkv.dim() == 2:
+        from dsv4.ops.triton.rowwise import latent_inputs as kernel
+
+        return kernel(qkv, q_width, q_norm, kv_norm, eps, weight_in_fp32, cos, sin, ring.quantized)
+    q_a, kv = qkv.split([q_width, qkv.shape[-1] - q_width], dim=-1)
+    kv = apply_rope_(rms_norm(kv, kv_norm, eps, weight_in_fp32), cos, sin)
+    return rms_norm(q_a, q_norm, eps, weight_in_fp32), kvops.round_trip(ring, kv, "window")
+
+
+def rope_queries_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx_q: torch.Tensor | None = None,
+                  idx_cos: torch.Tensor | None = None, idx_sin: torch.Tensor | None = None, idx_keys: QTensor | None = None) -> None:
+    """In place: q [T, H, D] RoPE'd by cos / sin; the indexer's queries idx_q [T, IH, ID] (if
+    given) by their own angles, then rounded as its keys `idx_keys` are stored (the FP4 QAT)."""
+    if on_triton(q) and q.dtype == torch.bfloat16 and q.dim() == 3 and (idx_q is None or idx_q.dtype == q.dtype):
+        from dsv4.ops.triton.rowwise import rope_queries_ as kernel
+
+        kernel(q, cos, sin, idx_q, idx_cos, idx_sin, idx_keys is not None and idx_keys.quantized)
+        return
+    apply_rope_(q, cos, sin)
+    if idx_q is not None:
+        idx_q.copy_(kvops.round_trip(idx_keys, apply_rope_(idx_q, idx_cos, idx_sin), "idx"))
 
 
 def sparse_attention(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale: float) -> torch.Tensor:

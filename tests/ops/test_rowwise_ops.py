@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4.cache.storage import QTensor
 from dsv4.config import parse_config
-from dsv4.ops import norm, rope
+from dsv4.ops import attention, kv, norm, rope
 
 pytest.importorskip("triton", reason="triton is not installed")
+from dsv4.ops.triton import kv as kv_triton  # noqa: E402
 from dsv4.ops.triton import rowwise  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,6 +108,79 @@ def test_rope_tables_match_reference(kind):
     assert all(torch.equal(a, b) for a, b in zip(tables.cos_sin(positions, kind), (cos_ref, sin_ref)))
 
 
+def _quantized(width: int) -> QTensor:
+    """A quantised cache's descriptor (its codes' content is never read by a round trip)."""
+    return QTensor(codes=torch.zeros(1, 1, width, dtype=torch.uint8), scales=torch.zeros(1, 1, 1, dtype=torch.uint8))
+
+
+def _angles(rows: int, half: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.randn(rows, half, generator=torch.Generator().manual_seed(seed)) * 3
+    return a.cos().bfloat16(), a.sin().bfloat16()
+
+
+@pytest.mark.parametrize("weight_in_fp32,fp8", [(False, True), (True, False)])
+def test_latent_inputs_match_the_separate_ops(weight_in_fp32, fp8):
+    """One launch for the attention's latent inputs: q_res = rms_norm(q_a); kv = the window's
+    rounding of RoPE(rms_norm(kv)) — the same bits as the separate kernels (V4.1: bf16
+    weights, FP8 ring; V4: fp32 weights, bf16 ring), and within the norms' last bit of the
+    torch code."""
+    g = torch.Generator().manual_seed(3)
+    t, qn, kvn, half = 5, 96, 128, 16
+    qkv = (torch.randn(t, qn + kvn + 8, generator=g) * 3).bfloat16()[:, : qn + kvn]  # rows at a wider stride
+    dtype = torch.float32 if weight_in_fp32 else torch.bfloat16
+    qw, kvw = (torch.randn(qn, generator=g) + 1).to(dtype), (torch.randn(kvn, generator=g) + 1).to(dtype)
+    cos, sin = _angles(t, half, 4)
+    ring = _quantized(kvn) if fp8 else QTensor(values=torch.zeros(1, 1, kvn))
+    dev = [a.to(DEVICE) for a in (qkv, qw, kvw, cos, sin)]
+    q, kv_out = rowwise.latent_inputs(dev[0], qn, dev[1], dev[2], 1e-6, weight_in_fp32, dev[3], dev[4], fp8)
+    assert q.shape == (t, qn) and kv_out.shape == (t, kvn) and q.dtype == kv_out.dtype == torch.bfloat16
+    # the separate kernels, one after the other
+    sep_kv = rowwise.apply_rope_(rowwise.rms_norm(dev[0][:, qn:], dev[2], 1e-6, weight_in_fp32), dev[3], dev[4])
+    if fp8:
+        sep_kv = kv_triton.round_trip("window", sep_kv)
+    assert torch.equal(q.cpu(), rowwise.rms_norm(dev[0][:, :qn], dev[1], 1e-6, weight_in_fp32).cpu())
+    assert torch.equal(kv_out.cpu(), sep_kv.cpu())
+    # the torch code (the op's CPU path), to the norms' last bit before the rotation and rounding
+    ref_q, ref_kv = attention.latent_inputs(qkv, qn, qw, kvw, 1e-6, weight_in_fp32, cos, sin, ring)
+    assert _ulps(q, ref_q) <= 1
+    assert (kv_out.cpu() - ref_kv).abs().max() <= 0.02 * ref_kv.abs().max()
+    if fp8:  # the rounding happened: few distinct magnitudes per block
+        assert not torch.equal(ref_kv, rope.apply_rope_(norm.rms_norm(qkv[:, qn:], kvw, 1e-6, weight_in_fp32), cos, sin))
+    # a row alone has the bits it has in the batch
+    q1, kv1 = rowwise.latent_inputs(dev[0][2:3], qn, dev[1], dev[2], 1e-6, weight_in_fp32, dev[3][2:3], dev[4][2:3], fp8)
+    assert torch.equal(q1, q[2:3]) and torch.equal(kv1, kv_out[2:3])
+
+
+@pytest.mark.parametrize("fp4", [True, False])
+def test_rope_queries_match_the_separate_ops(fp4):
+    """One launch rotates the attention's query heads and the indexer's (their own angles, then
+    the keys' FP4 rounding): the same bits as `apply_rope_` and `round_trip`, in place in the
+    stacked projection's output; a call without indexer heads rotates q alone."""
+    g = torch.Generator().manual_seed(7)
+    t, h, d, half, ih, idim, ihalf = 3, 5, 64, 8, 4, 64, 16
+    out = (torch.randn(t, h * d + ih * idim, generator=g) * 2).bfloat16()
+    cos, sin = _angles(t, half, 1)
+    icos, isin = _angles(t, ihalf, 2)
+    got = out.clone().to(DEVICE)
+    q, idx_q = (p.view(t, -1, w) for p, w in zip(got.split([h * d, ih * idim], dim=-1), (d, idim)))
+    rowwise.rope_queries_(q, cos.to(DEVICE), sin.to(DEVICE), idx_q, icos.to(DEVICE), isin.to(DEVICE), fp4)
+    want_q = rowwise.apply_rope_(out[:, : h * d].reshape(t, h, d).clone().to(DEVICE), cos.to(DEVICE), sin.to(DEVICE))
+    want_i = rowwise.apply_rope_(out[:, h * d :].reshape(t, ih, idim).clone().to(DEVICE), icos.to(DEVICE), isin.to(DEVICE))
+    if fp4:
+        want_i = kv_triton.round_trip("idx", want_i)
+    assert torch.equal(q.cpu(), want_q.cpu()) and torch.equal(idx_q.cpu(), want_i.cpu())
+    assert not torch.equal(got.cpu(), out)  # it did change them
+    # the op's torch code: the same, in place
+    ref = out.clone()
+    rq, ri = (p.view(t, -1, w) for p, w in zip(ref.split([h * d, ih * idim], dim=-1), (d, idim)))
+    attention.rope_queries_(rq, cos, sin, ri, icos, isin, _quantized(idim) if fp4 else QTensor(values=torch.zeros(1, 1, idim)))
+    assert torch.equal(ref, got.cpu())
+    # q alone
+    q_only = out[:, : h * d].reshape(t, h, d).clone().to(DEVICE)
+    rowwise.rope_queries_(q_only, cos.to(DEVICE), sin.to(DEVICE))
+    assert torch.equal(q_only.cpu(), want_q.cpu())
+
+
 def test_bad_shapes_are_refused():
     x = torch.randn(4, 64).bfloat16()
     with pytest.raises(ValueError, match="weight must be"):
@@ -114,5 +189,14 @@ def test_bad_shapes_are_refused():
         rowwise.apply_rope_(x, torch.ones(4, 12), torch.ones(4, 12))
     with pytest.raises(ValueError, match="unit channel stride"):
         rowwise.apply_rope_(torch.randn(4, 64, 2).bfloat16()[..., 0], torch.ones(4, 8), torch.ones(4, 8))
+    with pytest.raises(ValueError, match="latent_inputs: kv width 48"):
+        rowwise.latent_inputs(torch.randn(4, 112).bfloat16(), 64, torch.ones(64), torch.ones(48), 1e-6, False, torch.ones(4, 8), torch.ones(4, 8), True)
+    with pytest.raises(ValueError, match="latent_inputs: norm weights"):
+        rowwise.latent_inputs(torch.randn(4, 128).bfloat16(), 64, torch.ones(32), torch.ones(64), 1e-6, False, torch.ones(4, 8), torch.ones(4, 8), True)
+    with pytest.raises(ValueError, match="rope_queries_: q"):
+        rowwise.rope_queries_(torch.randn(4, 2, 64).bfloat16(), torch.ones(3, 8), torch.ones(3, 8))
+    with pytest.raises(ValueError, match="rope_queries_: idx_q"):
+        rowwise.rope_queries_(torch.randn(4, 2, 64).bfloat16(), torch.ones(4, 8), torch.ones(4, 8), torch.randn(4, 2, 48).bfloat16(),
+                              torch.ones(4, 8), torch.ones(4, 8), True)
     with pytest.raises(ValueError, match="rope_tables: positions"):
         rowwise.rope_tables(torch.arange(4), torch.ones(12), torch.bfloat16)

@@ -560,8 +560,8 @@ class Attention:
             self.index_compressor.fast(x, rows, step, cache, layer, cos, sin, cache.idx[layer])
 
     def select_fast(self, x: torch.Tensor, idx_q: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> None:
-        """The indexer on device metadata (idx_q: the indexer's query projection of q_res, [R,
-        index_n_heads * index_head_dim]): FP4 scores of every visible entry (reindex layers:
+        """The indexer on device metadata (idx_q: the indexer's queries [R, index_n_heads,
+        index_head_dim], RoPE'd and rounded as the keys are stored, `rope_queries_`): FP4 scores of every visible entry (reindex layers:
         of the candidate pool only), the top-k as ascending entry indices (-1 = none), and at
         the candidate source the kept candidate blocks, ascending. Publishes shared["topk"]
         [R, k] and shared["cand"] [R, n_blocks]; the first Reindex layer shared["pool"] (the
@@ -569,9 +569,7 @@ class Attention:
         cfg, role = self.cfg, self.role
         r = role.compress_ratio
         keys = cache.idx[role.kv_source]
-        ih, ihd = cfg.index_n_heads, cfg.index_head_dim
-        cos, sin = rows.derived(("rope", "compress"), lambda: self.rope.cos_sin(rows.positions, "compress"))
-        q = kvops.round_trip(keys, apply_rope_(idx_q.view(-1, ih, ihd), cos, sin), "idx")  # QAT: FP4 query
+        ih, q = cfg.index_n_heads, idx_q
         weights = linear(x, self.idx_weights.to(x.dtype)).float() * ih**-0.5
         # padding rows own no blocks: they see none
         visible = rows.by_ratio("visible", r)
@@ -607,17 +605,21 @@ class Attention:
         cfg, role = self.cfg, self.role
         h, hd = cfg.num_heads, cfg.head_dim
         cos, sin = rows.derived(("rope", role.rope), lambda: self.rope.cos_sin(rows.positions, role.rope))
-        q_res, kv = self.project_in(x)
+        ring = cache.ring[role.index]
+        # q_res and kv normed, kv RoPE'd and rounded as the ring stores it (QAT: FP8)
+        q_res, kv = attention_ops.latent_inputs(self.wq_a_kv(x), self.wq_a.out_features, self.q_norm, self.kv_norm, cfg.rms_norm_eps,
+                                                not self.v41, cos, sin, ring)
         if self.wq_b_idx is not None:  # the indexer's query projection in the same GEMM
             q, idx_q = self.wq_b_idx(q_res).split([self.wq_b.out_features, self.idx_wq_b.out_features], dim=-1)
+            idx_q = idx_q.view(-1, cfg.index_n_heads, cfg.index_head_dim)
+            idx_cos, idx_sin = rows.derived(("rope", "compress"), lambda: self.rope.cos_sin(rows.positions, "compress"))
         else:
-            q, idx_q = self.wq_b(q_res), None
+            q, idx_q, idx_cos, idx_sin = self.wq_b(q_res), None, None, None
         q = q.view(-1, h, hd)
         if not self.v41:  # V4: unweighted per-head RMS norm of q
             q = head_norm(q, cfg.rms_norm_eps)
-        q = apply_rope_(q, cos, sin)
-        ring = cache.ring[role.index]
-        kv = kvops.round_trip(ring, apply_rope_(kv, cos, sin), "window")  # QAT: FP8
+        # the indexer's queries RoPE'd too and rounded as its keys are stored (QAT: FP4)
+        attention_ops.rope_queries_(q, cos, sin, idx_q, idx_cos, idx_sin, cache.idx.get(role.kv_source) if idx_q is not None else None)
         compressed_ready()
         if role.runs_indexer:
             with section("indexer"):

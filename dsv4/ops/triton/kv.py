@@ -165,26 +165,32 @@ def _store_fp4_kernel(
 
 
 @triton.jit
+def fake_quantise(x, FP8: tl.constexpr, E4M3_SCALE: tl.constexpr):
+    """decode(encode(x)) of fp32 blocks x [rows, blocks, block] (FP8: the window's e4m3 +
+    ue8m0; else FP4 with E4M3 or ue8m0 scales), in fp32. A decoded value is a code value times
+    a scale, at most 6 significant bits and 0 or above 2**-128 in magnitude, so exact in fp32
+    and bf16: only the quantisation has to follow the reference's roundings."""
+    if FP8:
+        v, exp = fp8_quantise(x)
+        return v * pow2(exp)[:, :, None]
+    q, _, scale = _fp4_quantise(x, tl.max(tl.abs(x), axis=2), E4M3_SCALE)
+    return _e2m1_value(_e2m1_code(q)) * scale[:, :, None]
+
+
+@triton.jit
 def _round_trip_kernel(
     x_ptr, out_ptr, M, NB, stride_x, stride_o,
     FP8: tl.constexpr, E4M3_SCALE: tl.constexpr, BLOCK: tl.constexpr, NB_P: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out = decode(encode(x)) for a tile of rows: quantised and dequantised in registers. A
-    decoded value is a code value times a scale, at most 6 significant bits and 0 or above
-    2**-128 in magnitude, so exact in fp32 and bf16: only the quantisation has to follow the
-    reference's roundings."""
+    """out = decode(encode(x)) for a tile of rows: quantised and dequantised in registers
+    (`fake_quantise`)."""
     begin(PDL)
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     nb = tl.arange(0, NB_P)
     ok = ((rows < M)[:, None] & (nb < NB)[None, :])[:, :, None]
     col = nb[None, :, None] * BLOCK + tl.arange(0, BLOCK)[None, None, :]
     x = _load_fp32(x_ptr + rows[:, None, None] * stride_x + col, ok)
-    if FP8:
-        v, exp = fp8_quantise(x)
-        y = v * pow2(exp)[:, :, None]
-    else:
-        q, _, scale = _fp4_quantise(x, tl.max(tl.abs(x), axis=2), E4M3_SCALE)
-        y = _e2m1_value(_e2m1_code(q)) * scale[:, :, None]
+    y = fake_quantise(x, FP8, E4M3_SCALE)
     tl.store(out_ptr + rows[:, None, None] * stride_o + col, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -15,7 +15,24 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from dsv4.cache import storage
+from dsv4.ops.triton.kv import fake_quantise
 from dsv4.ops.triton.pdl import begin, pdl_launch
+
+FP8_BLOCK = tl.constexpr(storage.FP8_BLOCK)  # the window ring's channels per scale
+IDX_BLOCK = tl.constexpr(storage.IDX_BLOCK)  # the indexer keys' channels per scale
+
+
+@triton.jit
+def _normalise(h, w, n, eps, WEIGHT_IN_FP32: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm of one row h (fp32, zero past its n values) in `dtype`: weight * (h *
+    rsqrt(mean(h^2) + eps)), V4.1 rounding the normalised value to `dtype` before the weight
+    multiply (WEIGHT_IN_FP32 False), V4 multiplying in fp32."""
+    rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    if WEIGHT_IN_FP32:
+        return (w.to(tl.float32) * (h * rstd)).to(dtype)
+    return (w.to(dtype).to(tl.float32) * (h * rstd).to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -30,16 +47,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, WEIGHT_I
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
     if not WEIGHTED:
-        y = h * rstd.to(out_ptr.dtype.element_ty).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        y = (h * rstd.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
     else:
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        if WEIGHT_IN_FP32:
-            y = w.to(tl.float32) * (h * rstd)
-        else:
-            y = w.to(out_ptr.dtype.element_ty).to(tl.float32) * (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+        y = _normalise(h, tl.load(w_ptr + cols, mask=ok, other=0.0), N, eps, WEIGHT_IN_FP32, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_in_fp32: bool) -> torch.Tensor:
@@ -69,7 +82,22 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, V, M, lead, stride_xt, stride_xm, stri
     2*HALF rotated channels of a vector are one contiguous load and store (16-byte accesses),
     split into even and odd channels in registers."""
     begin(PDL)
-    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    _rope_vectors(x_ptr, cos_ptr, sin_ptr, tl.program_id(0), V, M, lead, stride_xt, stride_xm, stride_c, HALF, INVERSE, BLOCK_V)
+
+
+@triton.jit
+def _rotate(even, odd, c, s):
+    """The pairs (even, odd) rotated by the angles' cos c and sin s: (e*c - o*s, e*s + o*c),
+    each product rounded on its own, as the reference (launches disable fp fusion)."""
+    ec, os_, es, oc = even * c, odd * s, even * s, odd * c
+    return ec - os_, es + oc
+
+
+@triton.jit
+def _rope_vectors(x_ptr, cos_ptr, sin_ptr, pid, V, M, lead, stride_xt, stride_xm, stride_c,
+                  HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """`_rope_kernel`'s work for program `pid`: its BLOCK_V vectors rotated in place."""
+    v = pid.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     ok = (v < V)[:, None]
     t = v // M
     ch = x_ptr + (t * stride_xt + (v % M) * stride_xm + lead)[:, None] + tl.arange(0, 2 * HALF)[None, :]
@@ -80,10 +108,22 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, V, M, lead, stride_xt, stride_xm, stri
     s = tl.load(sin_ptr + t[:, None] * stride_c + p, mask=ok, other=0.0).to(tl.float32)
     if INVERSE:
         s = -s
-    # each product rounded on its own, as the reference (the launch disables fp fusion)
-    ec, os_, es, oc = even * c, odd * s, even * s, odd * c
-    out = tl.reshape(tl.join(ec - os_, es + oc), (BLOCK_V, 2 * HALF))
-    tl.store(ch, out.to(x_ptr.dtype.element_ty), mask=ok)
+    e2, o2 = _rotate(even, odd, c, s)
+    tl.store(ch, tl.reshape(tl.join(e2, o2), (BLOCK_V, 2 * HALF)).to(x_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_tail(y, c_ptrs, s_ptrs, ok, WIDTH: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
+    """Rows y [R, WIDTH] (fp32) with their trailing HALF channel pairs rotated, rounded to
+    `dtype` and back to fp32; c_ptrs / s_ptrs [R, WIDTH / 2] address the rows' cos / sin of
+    pair p - (WIDTH / 2 - HALF) (read only at the rotated pairs, where ok)."""
+    even, odd = tl.split(tl.reshape(y, (y.shape[0], WIDTH // 2, 2)))
+    rot = (tl.arange(0, WIDTH // 2) >= WIDTH // 2 - HALF)[None, :]
+    c = tl.load(c_ptrs, mask=ok & rot, other=0.0).to(tl.float32)
+    s = tl.load(s_ptrs, mask=ok & rot, other=0.0).to(tl.float32)
+    e2, o2 = _rotate(even, odd, c, s)
+    out = tl.join(tl.where(rot, e2, even), tl.where(rot, o2, odd))
+    return tl.reshape(out, (y.shape[0], WIDTH)).to(dtype).to(tl.float32)
 
 
 # Rotated vectors per program: 16 x 64 channels, one 16-byte load per thread at 4 warps; a
@@ -143,3 +183,131 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
                                                                     HALF=half, BLOCK_T=ROPE_TABLE_BLOCK_T, num_warps=4,
                                                                     enable_fp_fusion=False, **pdl_launch(positions.device))
     return cos, sin
+
+
+# ------------------------------------------------------------------------------ attention inputs
+# A decode step ran the attention's inputs as five to seven launches a layer, each a DRAM round
+# trip of a few KB a row (the two norms, the RoPE of q, of kv and of the indexer's queries, the
+# window's and the indexer's fake quantisation); here they are two, with the same arithmetic and
+# roundings in the same order.
+
+
+@triton.jit
+def _latent_inputs_kernel(
+    x_ptr, qw_ptr, kvw_ptr, q_ptr, kv_ptr, cos_ptr, sin_ptr,
+    stride_x, stride_q, stride_kv, stride_c, QN, eps,
+    WEIGHT_IN_FP32: tl.constexpr, Q_BLOCK: tl.constexpr, KVN: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Row program_id(0) of x = [q_a (QN) | kv (KVN)]: program_id(1) 0 stores rms_norm(q_a);
+    1 stores kv normed, its trailing HALF pairs rotated (each step rounded to the activation
+    dtype, as the separate kernels stored it) and, FP8, fake-quantised as the window ring
+    stores it (e4m3 + ue8m0 per FP8_BLOCK channels)."""
+    begin(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    dtype = q_ptr.dtype.element_ty
+    if tl.program_id(1) == 0:  # (the branches' names differ: Triton types a name across both)
+        q_cols = tl.arange(0, Q_BLOCK)
+        q_ok = q_cols < QN
+        q_a = tl.load(x_ptr + row * stride_x + q_cols, mask=q_ok, other=0.0).to(tl.float32)
+        q = _normalise(q_a, tl.load(qw_ptr + q_cols, mask=q_ok, other=0.0), QN, eps, WEIGHT_IN_FP32, dtype)
+        tl.store(q_ptr + row * stride_q + q_cols, q, mask=q_ok)
+    else:
+        kv_cols = tl.arange(0, KVN)
+        kv_in = tl.load(x_ptr + row * stride_x + QN + kv_cols).to(tl.float32)
+        kv = _normalise(kv_in, tl.load(kvw_ptr + kv_cols), KVN, eps, WEIGHT_IN_FP32, dtype).to(tl.float32)
+        p = (tl.arange(0, KVN // 2) - (KVN // 2 - HALF))[None, :]
+        c_ptrs, s_ptrs = cos_ptr + row * stride_c + p, sin_ptr + row * stride_c + p
+        kv = _rope_tail(tl.reshape(kv, (1, KVN)), c_ptrs, s_ptrs, tl.full((1, 1), True, tl.int1), KVN, HALF, dtype)
+        if FP8:
+            kv = tl.reshape(fake_quantise(tl.reshape(kv, (1, KVN // FP8_BLOCK, FP8_BLOCK)), True, False), (1, KVN))
+        tl.store(kv_ptr + row * stride_kv + kv_cols[None, :], kv.to(dtype))
+
+
+def latent_inputs(qkv: torch.Tensor, q_width: int, q_norm: torch.Tensor, kv_norm: torch.Tensor, eps: float, weight_in_fp32: bool,
+                  cos: torch.Tensor, sin: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dsv4.ops.attention.latent_inputs` in one launch: qkv [T, q_width + KVN] (KVN a power of
+    two) -> (q_res [T, q_width], kv [T, KVN])."""
+    t, width = qkv.shape
+    kvn, half = width - q_width, cos.shape[-1]
+    if kvn <= 0 or kvn & (kvn - 1) or 2 * half > kvn or half & (half - 1) or cos.shape != (t, half) or sin.shape != cos.shape:
+        raise ValueError(f"latent_inputs: kv width {kvn} must be a power of two holding 2 x cos's last axis, cos / sin [{t}, half]; got "
+                         f"{list(cos.shape)} / {list(sin.shape)}")
+    if fp8 and kvn % storage.FP8_BLOCK:
+        raise ValueError(f"latent_inputs: the FP8 window rounds whole blocks of {storage.FP8_BLOCK} channels, got kv width {kvn}")
+    if q_norm.shape != (q_width,) or kv_norm.shape != (kvn,):
+        raise ValueError(f"latent_inputs: norm weights must be [{q_width}] and [{kvn}], got {list(q_norm.shape)} / {list(kv_norm.shape)}")
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    q = torch.empty(t, q_width, dtype=qkv.dtype, device=qkv.device)
+    kv = torch.empty(t, kvn, dtype=qkv.dtype, device=qkv.device)
+    if t:
+        q_block = triton.next_power_of_2(q_width)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _latent_inputs_kernel[(t, 2)](
+            qkv, q_norm.contiguous(), kv_norm.contiguous(), q, kv, cos, sin, qkv.stride(0), q.stride(0), kv.stride(0), cos.stride(0),
+            q_width, float(eps), WEIGHT_IN_FP32=weight_in_fp32, Q_BLOCK=q_block, KVN=kvn, HALF=half, FP8=fp8,
+            num_warps=4 if max(q_block, kvn) <= 2048 else 8, enable_fp_fusion=False, **pdl_launch(qkv.device))
+    return q, kv
+
+
+@triton.jit
+def _query_rope_kernel(
+    q_ptr, cos_ptr, sin_ptr, i_ptr, icos_ptr, isin_ptr,
+    VQ, H, VI, IH, stride_qt, stride_qh, stride_it, stride_ih, stride_c, stride_ic, q_lead,
+    HALF: tl.constexpr, ID: tl.constexpr, IHALF: tl.constexpr, FP4: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+):
+    """In place: the first cdiv(VQ, BLOCK_V) programs rotate the query heads' trailing HALF
+    pairs (`_rope_vectors`); the rest the indexer's query heads' (ID channels each, their
+    own angles), then, FP4, fake-quantise them as the indexer keys are stored (e2m1 + ue8m0 per
+    IDX_BLOCK channels)."""
+    begin(PDL)
+    pid = tl.program_id(0)
+    q_programs = tl.cdiv(VQ, BLOCK_V)
+    if pid < q_programs:
+        _rope_vectors(q_ptr, cos_ptr, sin_ptr, pid, VQ, H, q_lead, stride_qt, stride_qh, stride_c, HALF, False, BLOCK_V)
+    else:
+        v = (pid - q_programs).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        ok = (v < VI)[:, None]
+        t = v // IH
+        ptrs = i_ptr + (t * stride_it + (v % IH) * stride_ih)[:, None] + tl.arange(0, ID)[None, :]
+        dtype = i_ptr.dtype.element_ty
+        y = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        p = t[:, None] * stride_ic + (tl.arange(0, ID // 2) - (ID // 2 - IHALF))[None, :]
+        y = _rope_tail(y, icos_ptr + p, isin_ptr + p, ok, ID, IHALF, dtype)
+        if FP4:
+            y = tl.reshape(fake_quantise(tl.reshape(y, (BLOCK_V, ID // IDX_BLOCK, IDX_BLOCK)), False, False), (BLOCK_V, ID))
+        tl.store(ptrs, y.to(dtype), mask=ok)
+
+
+def rope_queries_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx_q: torch.Tensor | None = None,
+                  idx_cos: torch.Tensor | None = None, idx_sin: torch.Tensor | None = None, fp4: bool = False) -> None:
+    """`dsv4.ops.attention.rope_queries_` in one launch: q [T, H, D] and idx_q [T, IH, ID]
+    (ID a power of two; unit channel strides) rotated (and idx_q, fp4, fake-quantised) in
+    place."""
+    t, h, d = q.shape
+    half = cos.shape[-1]
+    if cos.shape != (t, half) or sin.shape != cos.shape or 2 * half > d or half & (half - 1) or q.stride(-1) != 1:
+        raise ValueError(f"rope_queries_: q [T, H, D] (unit channel stride) and cos / sin [{t}, half], half a power of two <= {d // 2}; got q "
+                         f"{list(q.shape)} strides {list(q.stride())}, cos {list(cos.shape)}, sin {list(sin.shape)}")
+    ih, idim, ihalf = (0, 2, 1) if idx_q is None else (idx_q.shape[1], idx_q.shape[2], idx_cos.shape[-1])
+    if idx_q is not None:
+        if (idx_q.dim() != 3 or idx_q.shape[0] != t or idx_q.stride(-1) != 1 or idim & (idim - 1) or 2 * ihalf > idim or ihalf & (ihalf - 1)
+                or idx_cos.shape != (t, ihalf) or idx_sin.shape != idx_cos.shape):
+            raise ValueError(f"rope_queries_: idx_q [{t}, IH, ID] (ID a power of two, unit channel stride) and idx cos / sin [{t}, half], got idx_q "
+                             f"{list(idx_q.shape)} strides {list(idx_q.stride())}, cos {list(idx_cos.shape)}, sin {list(idx_sin.shape)}")
+        if fp4 and idim % storage.IDX_BLOCK:
+            raise ValueError(f"rope_queries_: FP4 indexer queries round whole blocks of {storage.IDX_BLOCK} channels, got {idim}")
+    if t == 0:
+        return
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if idx_q is None:  # no indexer heads: its pointers are q's, never read
+        idx_q, idx_cos, idx_sin = q, cos, sin
+    else:
+        idx_cos, idx_sin = idx_cos.contiguous(), idx_sin.contiguous()
+    vq, vi = t * h, t * ih
+    _query_rope_kernel[(triton.cdiv(vq, ROPE_BLOCK_V) + triton.cdiv(vi, ROPE_BLOCK_V),)](
+        q, cos, sin, idx_q, idx_cos, idx_sin, vq, h, vi, max(ih, 1), q.stride(0), q.stride(1), idx_q.stride(0), idx_q.stride(1),
+        cos.stride(0), idx_cos.stride(0), d - 2 * half,
+        HALF=half, ID=idim, IHALF=ihalf, FP4=fp4 and vi > 0, BLOCK_V=ROPE_BLOCK_V, num_warps=4,
+        enable_fp_fusion=False, **pdl_launch(q.device))
