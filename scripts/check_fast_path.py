@@ -62,7 +62,7 @@ TOLERANCE = {
     # the same libdevice cosf / sinf on the GPU; the interpreter's numpy cos / sin can round an
     # angle the other way (one bf16 unit)
     "rope_tables": 0.0 if torch.cuda.is_available() else 8e-3,
-    "hc_mixes": 1e-5, "hc_collapse_norm": 1e-2, "hc_expand": 1e-2,
+    "hc_mixes": 1e-5, "hc_collapse_norm": 1e-2, "hc_expand": 1e-2, "hc_expand_collapse_norm": 1e-2,
     "store_rows": 0.0, "store_plain": 0.0, "round_trip": 0.0, "rope_queries_": 0.0,
     # rms_norm's sum order (above) can move a kv value across an FP8 rounding boundary: one e4m3
     # step, at most 1/8 of the largest magnitude (a value in [256, 448) of its scaled block)
@@ -239,6 +239,7 @@ def install(checker: Checker) -> None:
     c.wrap(t_mhc, "hc_mixes", mhc.hc_mixes, lambda o, r, *a: max(_rel(x, y) for x, y in zip(o, r)))
     c.wrap(t_mhc, "hc_collapse_norm", mhc.hc_collapse_norm)
     c.wrap(t_mhc, "hc_expand", lambda y, res, post, comb, fp32: mhc.hc_expand(y, res, post, comb, fp32))
+    c.wrap(t_mhc, "hc_expand_collapse_norm", mhc.hc_expand_collapse_norm, lambda o, r, *a: max(_rel(x, y) for x, y in zip(o, r)))
     c.wrap(t_kv, "round_trip", lambda kind, x: kv.round_trip(QTensor(codes=x), x, kind))
     c.wrap_store("store_rows", kv.store_rows)
     c.wrap_store("store_plain", kv.store_plain)

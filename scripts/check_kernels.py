@@ -2819,6 +2819,9 @@ def mhc_compile_targets() -> list[tuple]:
     for fp32 in (True, False):  # V4.1's rounding, V4's
         out.append((f"mhc expand fp32={fp32}", mhc._expand_kernel, expand, {"HC": 4, "BLOCK_D": mhc.EXPAND_BLOCK_D, "FP32": fp32},
                     {"num_warps": 4, "enable_fp_fusion": False}))
+    fused = dict(expand, pre_ptr="*fp32", w_ptr="*bf16", h_ptr="*bf16", stride_ht=i, eps=f)
+    out.append(("mhc expand + collapse norm D=5120 (V4.1)", mhc._expand_collapse_kernel, fused, {"HC": 4, "BLOCK_D": 8192},
+                {"num_warps": 8, "enable_fp_fusion": False}))
     return out
 
 

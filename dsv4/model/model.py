@@ -21,7 +21,7 @@ from dsv4.model.layers.attention import Attention, Segments
 from dsv4.model.layers.engram import Engram, EngramHasher
 from dsv4.model.layers.moe import MoE
 from dsv4.ops.linear import linear
-from dsv4.ops.mhc import hc_collapse_norm, hc_expand, hc_head, hc_mixes
+from dsv4.ops.mhc import hc_collapse_norm, hc_expand, hc_expand_collapse_norm, hc_head, hc_mixes
 from dsv4.ops.norm import rms_norm
 from dsv4.ops.rope import RopeTables
 
@@ -254,9 +254,9 @@ class Model:
                     with section("engram"):
                         carry.engram_values[later.role.index] = self.engram_aside.start(
                             later.engram.values, self._engram_hashes(hashes, later), self.dtype)
-            self._block_in(block, carry, rows, capture)
+            self._block_in(block, carry, rows, capture, i > 0 and self._input_with_expand(block))
             if i < self.split_at:
-                self._block_out(block, carry, rows, trace)
+                self._block_out(block, carry, rows, trace, encoder[i + 1] if i + 1 < len(encoder) else None)
         self.aside.join()  # the split layer's attention mixes (the decoder piece reads them)
         self.engram_aside.join()  # (each value was read at its layer: a no-op, so no capture ends with side work unjoined)
         self.compressor_aside.join()  # the split layer's (its attention runs in the decoder piece)
@@ -267,10 +267,11 @@ class Model:
 
     def _decode(self, carry: Carry, rows, trace, capture) -> torch.Tensor:
         cfg = self.cfg
-        for i, block in enumerate(self.blocks[self.split_at :]):
+        decoder = self.blocks[self.split_at :]
+        for i, block in enumerate(decoder):
             if i > 0:
-                self._block_in(block, carry, rows, capture)
-            self._block_out(block, carry, rows, trace)
+                self._block_in(block, carry, rows, capture, self._input_with_expand(block))
+            self._block_out(block, carry, rows, trace, decoder[i + 1] if i + 1 < len(decoder) else None)
         want = rows.final()
         streams = carry.streams[want]
         if capture is not None:
@@ -281,9 +282,16 @@ class Model:
         final = hc_head(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)
         return rms_norm(final, self.final_norm, cfg.rms_norm_eps, weight_in_fp32=True)
 
-    def _block_in(self, block: Block, carry: Carry, rows, capture) -> None:
-        """A layer up to its attention: [engram], the attention site's mixes and input, and
-        the compressor (which runs on every row, the split layer's included)."""
+    def _input_with_expand(self, block: Block) -> bool:
+        """Whether the previous layer's last expand also made this layer's attention input
+        (`hc_expand_collapse_norm`): V4.1, whose site collapses with the previous site's `pre`,
+        when no engram changes the streams in between."""
+        return self.v41 and block.engram is None
+
+    def _block_in(self, block: Block, carry: Carry, rows, capture, collapsed: bool) -> None:
+        """A layer up to its attention: [engram], the attention site's mixes and input (already
+        in carry.h when `collapsed`), and the compressor (which runs on every row, the split
+        layer's included)."""
         cfg, role = self.cfg, block.role
         if block.engram is not None:
             with section("engram"):
@@ -299,25 +307,35 @@ class Model:
         with section("mhc"):
             # V4.1: first read after the attention (`MixesAside`; V4 runs them in place)
             carry.a_pre, carry.a_post, carry.a_comb = self.aside.start(block.mixes, carry.streams, "attn")
-            carry.h = block.collapse_norm(carry.streams, carry.pre if self.v41 else carry.a_pre, block.attn_norm)
+            if not collapsed:
+                carry.h = block.collapse_norm(carry.streams, carry.pre if self.v41 else carry.a_pre, block.attn_norm)
         if role.owns_compressor:  # joined before the layer's indexer or attention reads the entries (`Aside`)
             with section("compressor"):
                 self.compressor_aside.start(rows.compress, block.attn, carry.h)
 
-    def _block_out(self, block: Block, carry: Carry, rows, trace) -> None:
-        """The rest of a layer: attention, the FFN site, MoE."""
+    def _block_out(self, block: Block, carry: Carry, rows, trace, next_block: Block | None) -> None:
+        """The rest of a layer: attention, the FFN site, MoE (and, `_input_with_expand`, the
+        next layer's attention input in carry.h)."""
         with section("attention"):
             y = rows.attend(block.attn, carry.h, carry.shared, self.compressor_aside.join)
         with section("mhc"):
             self.aside.join()
-            streams = hc_expand(y, carry.residual, carry.a_post, carry.a_comb, fp32=self.v41)
-            f_pre, f_post, f_comb = self.aside.start(block.mixes, streams, "ffn")  # V4.1: first read after the MoE
-            h = block.collapse_norm(streams, carry.a_pre if self.v41 else f_pre, block.ffn_norm)
+            if self.v41:  # the FFN site collapses with the attention site's pre: one launch with the expand
+                streams, h = hc_expand_collapse_norm(y, carry.residual, carry.a_post, carry.a_comb, carry.a_pre, block.ffn_norm,
+                                                     self.cfg.rms_norm_eps)
+                f_pre, f_post, f_comb = self.aside.start(block.mixes, streams, "ffn")  # first read after the MoE
+            else:
+                streams = hc_expand(y, carry.residual, carry.a_post, carry.a_comb, fp32=False)
+                f_pre, f_post, f_comb = self.aside.start(block.mixes, streams, "ffn")
+                h = block.collapse_norm(streams, f_pre, block.ffn_norm)
         with section("moe"):
             y = block.ffn(h, carry.ids, trace, f"L{block.role.index}")
         with section("mhc"):
             self.aside.join()
-            carry.streams = hc_expand(y, streams, f_post, f_comb, fp32=self.v41)
+            if next_block is not None and self._input_with_expand(next_block):
+                carry.streams, carry.h = hc_expand_collapse_norm(y, streams, f_post, f_comb, f_pre, next_block.attn_norm, self.cfg.rms_norm_eps)
+            else:
+                carry.streams = hc_expand(y, streams, f_post, f_comb, fp32=self.v41)
         carry.pre = f_pre
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -118,6 +118,23 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     return hc_expand_reference(y, residual, post, comb, fp32)
 
 
+def hc_expand_collapse_norm(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+                            weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4.1 after a sublayer: streams = `hc_expand(y, residual, post, comb, fp32=True)` and the
+    next site's input `hc_collapse_norm(streams, pre, weight, eps, weight_in_fp32=False)` ->
+    (streams, h); one kernel on CUDA."""
+    _check_streams("hc_expand_collapse_norm", residual, post=post, comb=comb, pre=pre)
+    if tuple(y.shape) != (residual.shape[0], residual.shape[2]) or tuple(weight.shape) != (residual.shape[2],):
+        raise ValueError(f"hc_expand_collapse_norm: y must be [{residual.shape[0]}, {residual.shape[2]}] and weight [{residual.shape[2]}] for "
+                         f"streams {list(residual.shape)}, got {list(y.shape)} / {list(weight.shape)}")
+    if _fused(residual):
+        from dsv4.ops.triton import mhc as triton_mhc
+
+        return triton_mhc.hc_expand_collapse_norm(y, residual, post.float(), comb.float(), pre.float(), weight, eps)
+    streams = hc_expand_reference(y, residual, post, comb, True)
+    return streams, rms_norm(hc_collapse_reference(streams, pre), weight, eps, False)
+
+
 def hc_expand_reference(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fp32: bool) -> torch.Tensor:
     """The torch computation of `hc_expand` on any device (the kernels' oracle)."""
     if fp32:

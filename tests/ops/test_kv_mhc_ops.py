@@ -415,6 +415,31 @@ def test_hc_expand(monkeypatch, fp32):
     assert torch.equal(alone[0], got[3])
 
 
+@pytest.mark.parametrize("d", [72, 256])
+def test_hc_expand_collapse_norm_is_the_two_kernels(d):
+    """V4.1's expand and the next site's collapse + norm in one launch: the same bits as the
+    two kernels one after the other (streams and h), and the op's CPU path is the torch
+    composition; a row alone keeps its bits."""
+    g = _gen(d + 1)
+    t, hc = 9, 4
+    residual = (torch.randn(t, hc, d, generator=g) * 2).bfloat16()
+    y = torch.randn(t, d, generator=g).bfloat16()
+    pre, post, comb = _mixes_for(residual, d)
+    w = torch.randn(d, generator=g).bfloat16()
+    dev = [a.to(DEVICE) for a in (y, residual, post, comb, pre, w)]
+    streams, h = tmhc.hc_expand_collapse_norm(*dev, 1e-6)
+    want_streams = tmhc.hc_expand(*dev[:4], True)
+    assert torch.equal(streams.cpu(), want_streams.cpu())
+    assert torch.equal(h.cpu(), tmhc.hc_collapse_norm(want_streams, dev[4], dev[5], 1e-6, False).cpu())
+    ref_streams, ref_h = mhc.hc_expand_collapse_norm(y, residual, post, comb, pre, w, 1e-6)
+    assert torch.equal(ref_streams, mhc.hc_expand_reference(y, residual, post, comb, True))
+    assert torch.equal(ref_h, rms_norm(mhc.hc_collapse(ref_streams, pre), w, 1e-6, False))
+    alone = tmhc.hc_expand_collapse_norm(*(a[4:5] for a in dev[:5]), dev[5], 1e-6)
+    assert torch.equal(alone[0][0], streams[4]) and torch.equal(alone[1][0], h[4])
+    with pytest.raises(ValueError, match=r"weight \[%d\]" % d):
+        mhc.hc_expand_collapse_norm(y, residual, post, comb, pre, w[:8], 1e-6)
+
+
 def test_mhc_rejects_bad_arguments():
     x, fn, base, scale = _mhc_case(3, 4, 16, seed=1)
     with pytest.raises(ValueError, match=r"fn must be \[24, 64\]"):

@@ -33,6 +33,9 @@ streams): x is [T, hc, D] bf16 (hc a power of two), every mix is fp32.
   program per row.
 * `hc_expand` (V4.1's fp32 variant): out_k = post_k * y + sum_j comb[j, k] * residual_j in
   fp32, rounded once; programs over (row, column tile).
+* `hc_expand_collapse_norm` (V4.1): the expand after a layer's attention and the collapse +
+  norm of the FFN site's input (which V4.1 collapses with the attention site's `pre`) in one
+  launch, one program per row: the same operations as the two kernels.
 
 Collapse, expand and the mixes epilogue are compiled without fp contraction: each product is
 rounded before it is added, in the reference's order, as torch computes them (in the epilogue,
@@ -305,15 +308,20 @@ def _collapse_kernel(
         acc += tl.load(pre_ptr + t * HC + k) * xk
     h = acc.to(out_ptr.dtype.element_ty)
     if NORM:
-        hf = h.to(tl.float32)
-        normed = hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
-        w = tl.load(w_ptr + d, mask=ok, other=0.0)
-        if WEIGHT_IN_FP32:
-            h = (w.to(tl.float32) * normed).to(out_ptr.dtype.element_ty)
-        else:
-            wd = w.to(out_ptr.dtype.element_ty).to(tl.float32)
-            h = (wd * normed.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        h = _norm_row(h, w_ptr, d, ok, D, eps, WEIGHT_IN_FP32)
     tl.store(out_ptr + t * stride_ot + d, h, mask=ok)
+
+
+@triton.jit
+def _norm_row(h, w_ptr, d, ok, D, eps, WEIGHT_IN_FP32: tl.constexpr):
+    """The RMSNorm of one collapsed row h (its dtype): stats in fp32, V4.1 rounding the
+    normalised value before the weight multiply, V4 multiplying by the fp32 weight."""
+    hf = h.to(tl.float32)
+    normed = hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0)
+    if WEIGHT_IN_FP32:
+        return (w.to(tl.float32) * normed).to(h.dtype)
+    return (w.to(h.dtype).to(tl.float32) * normed.to(h.dtype).to(tl.float32)).to(h.dtype)
 
 
 def _collapse(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_in_fp32: bool) -> torch.Tensor:
@@ -389,3 +397,53 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
         HC=hc, BLOCK_D=EXPAND_BLOCK_D, FP32=fp32, num_warps=4, enable_fp_fusion=False, **pdl_launch(y.device),
     )
     return out
+
+
+@triton.jit
+def _expand_collapse_kernel(
+    y_ptr, res_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, out_ptr, h_ptr,
+    D, stride_yt, stride_rt, stride_rh, stride_ht, eps,
+    HC: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    """One row: V4.1's expand (`_expand_kernel` FP32: out_k = post_k * y + sum_j comb[j, k] *
+    residual_j in fp32, rounded once), then the next site's input from those rounded streams
+    (`_collapse_kernel` NORM: h = bf16(sum_k pre_k * out_k), RMS-normed, V4.1's rounding) — the
+    same operations in the same order as the two kernels, without the streams' round trip
+    through memory between them. Each residual stream is read once per output stream (L1)."""
+    begin(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    dtype = out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + t * stride_yt + d, mask=ok, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(HC):
+        mixed = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for j in tl.static_range(HC):
+            rj = tl.load(res_ptr + t * stride_rt + j * stride_rh + d, mask=ok, other=0.0).to(tl.float32)
+            mixed += tl.load(comb_ptr + t * HC * HC + j * HC + k) * rj
+        out = (tl.load(post_ptr + t * HC + k) * y + mixed).to(dtype)
+        tl.store(out_ptr + t * stride_rt + k * stride_rh + d, out, mask=ok)
+        acc += tl.load(pre_ptr + t * HC + k) * out.to(tl.float32)
+    h = _norm_row(acc.to(dtype), w_ptr, d, ok, D, eps, False)
+    tl.store(h_ptr + t * stride_ht + d, h, mask=ok)
+
+
+def hc_expand_collapse_norm(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+                            weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hc_expand(..., fp32=True)`, then `hc_collapse_norm` of its streams with `pre` (V4.1's
+    rounding), in one launch -> (streams [T, hc, D], h [T, D])."""
+    t, hc, d = residual.shape
+    residual = residual.contiguous()
+    out = torch.empty_like(residual)
+    h = torch.empty(t, d, dtype=residual.dtype, device=residual.device)
+    if t == 0:
+        return out, h
+    y = y.contiguous()
+    block_d = triton.next_power_of_2(d)
+    _expand_collapse_kernel[(t,)](
+        y, residual, post.contiguous(), comb.contiguous(), pre.contiguous(), weight.contiguous(), out, h,
+        d, y.stride(0), residual.stride(0), residual.stride(1), h.stride(0), eps,
+        HC=hc, BLOCK_D=block_d, num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False, **pdl_launch(y.device),
+    )
+    return out, h
