@@ -561,16 +561,15 @@ class Attention:
 
     def select_fast(self, x: torch.Tensor, idx_q: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict) -> None:
         """The indexer on device metadata (idx_q: the indexer's queries [R, index_n_heads,
-        index_head_dim], RoPE'd and rounded as the keys are stored, `rope_queries_`): FP4 scores of every visible entry (reindex layers:
-        of the candidate pool only), the top-k as ascending entry indices (-1 = none), and at
+        index_head_dim], RoPE'd and rounded as the keys are stored, `rope_queries_`): FP4
+        scores of every visible entry (reindex layers: of the candidate pool only), the top-k as ascending entry indices (-1 = none), and at
         the candidate source the kept candidate blocks, ascending. Publishes shared["topk"]
         [R, k] and shared["cand"] [R, n_blocks]; the first Reindex layer shared["pool"] (the
         candidate pool's entries and its width per row, for the others)."""
         cfg, role = self.cfg, self.role
         r = role.compress_ratio
         keys = cache.idx[role.kv_source]
-        ih, q = cfg.index_n_heads, idx_q
-        weights = linear(x, self.idx_weights.to(x.dtype)).float() * ih**-0.5
+        weights = linear(x, self.idx_weights.to(x.dtype)).float() * cfg.index_n_heads**-0.5
         # padding rows own no blocks: they see none
         visible = rows.by_ratio("visible", r)
         width = step.widths[r]
@@ -581,7 +580,7 @@ class Attention:
         per_block = cache.block_size // r
 
         def scored(c: slice, lengths: torch.Tensor, n: int, entries: torch.Tensor | None = None) -> torch.Tensor:
-            return index_ops.index_scores(q[c], weights[c], *_stored(keys), step.block_tables, rows.req[c], lengths[c], per_block, n,
+            return index_ops.index_scores(idx_q[c], weights[c], *_stored(keys), step.block_tables, rows.req[c], lengths[c], per_block, n,
                                           entries=None if entries is None else entries[c])
 
         if role.uses_candidates and "cand" in shared:
