@@ -13,7 +13,7 @@
 # KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"; a dotted path
 # walks nested tables, digits indexing tuples: KNOBS=dsv4.ops.triton.moe:MOE.rows.4.1.gate_up.maxnreg=128),
 # PROFILE_CASES, PROFILE_ARGS (per-kernel table of graph replays, step `profile`; PROFILE_ARGS=--torch-ops adds
-# the eager step's aten ops by source line).
+# the eager step's aten ops by source line, --timeline one replay's kernels in order in profile.json).
 # Results under $OUT.
 set -uo pipefail
 pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
