@@ -49,7 +49,7 @@ PEAK = {"fp8": 1365e12, "bf16": 758e12}
 ROWS = (1, 8, 64, 256, 4096)
 # V4.1-Flash FP8 projections (name, N, K, block); last two: V4-Flash's 128x128 blocks.
 PROJECTIONS = [
-    ("wq_a+wkv", 1792, 5120, 32),  # the two stacked, as the fast path runs them (`Attention.project_in`)
+    ("wq_a+wkv", 1792, 5120, 32),  # the two stacked, as the fast path runs them (`Attention.wq_a_kv`)
     ("wq_a", 1280, 5120, 32),  # wq_a and wkv alone: what the stacking saves
     ("wq_b", 32768, 1280, 32),
     ("wq_b+indexer.wq_b", 36864, 1280, 32),  # the indexer layers' stacked query projections (`Attention.forward_fast`)

@@ -42,6 +42,7 @@ from dsv4.model.batch import ForwardBatch
 from dsv4.model.layers.attention import Attention, Segments
 from dsv4.model.model import Block
 from dsv4.model.weights import LoadedWeights
+from dsv4.ops import attention as attention_ops
 from dsv4.ops import kv as kvops
 from dsv4.ops.linear import Linear, linear
 from dsv4.ops.mhc import hc_collapse, hc_expand, hc_head
@@ -223,9 +224,10 @@ class DSparkDraft:
         h, hd, w, dtype = cfg.num_heads, cfg.head_dim, cfg.window, x.dtype
         n = x.shape[0]
         cos, sin = self.rope.cos_sin(positions, "main")
-        q_res, kv = attn.project_in(x)
-        q = apply_rope_(attn.wq_b(q_res).view(n, h, hd), cos, sin)
-        kv = kvops.round_trip(ring, apply_rope_(kv, cos, sin), "window")
+        q_res, kv = attention_ops.latent_inputs(attn.wq_a_kv(x), attn.wq_a.out_features, attn.q_norm, attn.kv_norm, cfg.rms_norm_eps,
+                                                not attn.v41, cos, sin, ring)
+        q = attn.wq_b(q_res).view(n, h, hd)
+        attention_ops.rope_queries_(q, cos, sin)
         ring_pos = torch.arange(p - w + 1, p + 1, device=x.device)
         ring_keys = kvops.load(ring, (slot, ring_pos.clamp_min(0) % w), "window", dtype)
         ring_valid = (ring_pos >= 0).expand(n, w)

@@ -342,7 +342,7 @@ class Attention:
         self.cfg, self.role, self.rope = cfg, role, rope
         self.v41 = cfg.arch == "v41"
         self.wq_b = _proj(w, p + "wq_b", cfg)
-        # wq_a and wkv read the same input: the fast path runs them as one GEMM (`project_in`)
+        # wq_a and wkv read the same input: the fast path runs them as one GEMM (`ops.attention.latent_inputs` takes its output)
         self.wq_a_kv, (self.wq_a, self.wkv) = stack_rows([_proj(w, p + "wq_a", cfg), _proj(w, p + "wkv", cfg)])
         self.wo_a, self.wo_b = _proj(w, p + "wo_a", cfg), _proj(w, p + "wo_b", cfg)
         self.wo_a_groups = self.wo_a.split_rows([self.wo_a.out_features // cfg.o_groups] * cfg.o_groups)  # one per output group
@@ -365,11 +365,6 @@ class Attention:
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.cfg.rms_norm_eps, weight_in_fp32=not self.v41)
-
-    def project_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_res, kv before RoPE): wq_a and wkv of x in one GEMM, each normed."""
-        q_a, kv = self.wq_a_kv(x).split([self.wq_a.out_features, self.wkv.out_features], dim=-1)
-        return self.norm(q_a, self.q_norm), self.norm(kv, self.kv_norm)
 
     # ------------------------------------------------------------------ compressed branch
     def compress(self, x: torch.Tensor, segs: Segments, batch: ForwardBatch, cache: KVCacheStorage) -> None:

@@ -562,7 +562,7 @@ W8A16 = {
     ),
     # per-shape chunk counts (N, K, block): none now. wq_a alone had taken 10 (14% faster than 20
     # over M = 1, 8, 64, device run 1); the model now runs it stacked with wkv (1792 x 5120,
-    # `Attention.project_in`), whose default 14 measured level with 10 (S15-4 A/B)
+    # `Attention.wq_a_kv`), whose default 14 measured level with 10 (S15-4 A/B)
     "CHUNKS": {},
     # 4: twice the split-K chunks of 2 where the tile count allowed it (fp8_linear S3-4, M=1):
     # wo_b 37.7 -> 29.3 us, V4's wo_b 24.1 -> 22.3; shapes capped by MIN_CHUNK_K or CHUNKS keep
