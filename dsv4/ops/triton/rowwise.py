@@ -1,5 +1,7 @@
 """Row-wise ops of the fast path in one kernel each (H200): RMSNorm, interleaved-pair RoPE and
-its cos / sin tables.
+its cos / sin tables, and the attention's inputs (`latent_inputs`: both norms of the stacked
+wq_a + wkv output, kv's RoPE and window rounding; `rope_queries_`: the RoPE of q and of the
+indexer's queries with their FP4 rounding — `dsv4.ops.attention`'s two ops).
 
 In torch each is 6-10 small kernels (casts, square, mean, rsqrt, products; slices, stack,
 cat), which in a decode step costs far more in launches than in bytes. Same numerics as the
