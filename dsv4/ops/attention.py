@@ -41,7 +41,8 @@ def latent_inputs(qkv: torch.Tensor, q_width: int, q_norm: torch.Tensor, kv_norm
 def rope_queries_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx_q: torch.Tensor | None = None,
                   idx_cos: torch.Tensor | None = None, idx_sin: torch.Tensor | None = None, idx_keys: QTensor | None = None) -> None:
     """In place: q [T, H, D] RoPE'd by cos / sin; the indexer's queries idx_q [T, IH, ID] (if
-    given) by their own angles, then rounded as its keys `idx_keys` are stored (the FP4 QAT)."""
+    given) by their own angles, then rounded as its keys `idx_keys` (if given) are stored (the
+    FP4 QAT)."""
     if on_triton(q) and q.dtype == torch.bfloat16 and q.dim() == 3 and (idx_q is None or idx_q.dtype == q.dtype):
         from dsv4.ops.triton.rowwise import rope_queries_ as kernel
 
@@ -49,7 +50,9 @@ def rope_queries_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx_q: 
         return
     apply_rope_(q, cos, sin)
     if idx_q is not None:
-        idx_q.copy_(kvops.round_trip(idx_keys, apply_rope_(idx_q, idx_cos, idx_sin), "idx"))
+        apply_rope_(idx_q, idx_cos, idx_sin)
+        if idx_keys is not None:
+            idx_q.copy_(kvops.round_trip(idx_keys, idx_q, "idx"))
 
 
 def sparse_attention(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale: float) -> torch.Tensor:
