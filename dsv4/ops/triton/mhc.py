@@ -55,6 +55,7 @@ import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import num_sms, sum_chunks
 from dsv4.ops.triton.pdl import begin, pdl_launch
+from dsv4.ops.triton.rowwise import norm_row
 
 # GEMM tiling: rows per program (BLOCK_T, or MANY_BLOCK_T below; the rows are the MMA's M, so
 # a row's products and sums do not depend on how many rows share its program), K step, chunk (the unit of the split and of the fixed-order chunk sum; 80 chunks at
@@ -308,20 +309,8 @@ def _collapse_kernel(
         acc += tl.load(pre_ptr + t * HC + k) * xk
     h = acc.to(out_ptr.dtype.element_ty)
     if NORM:
-        h = _norm_row(h, w_ptr, d, ok, D, eps, WEIGHT_IN_FP32)
+        h = norm_row(h.to(tl.float32), tl.load(w_ptr + d, mask=ok, other=0.0), D, eps, WEIGHT_IN_FP32, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_ot + d, h, mask=ok)
-
-
-@triton.jit
-def _norm_row(h, w_ptr, d, ok, D, eps, WEIGHT_IN_FP32: tl.constexpr):
-    """The RMSNorm of one collapsed row h (its dtype): stats in fp32, V4.1 rounding the
-    normalised value before the weight multiply, V4 multiplying by the fp32 weight."""
-    hf = h.to(tl.float32)
-    normed = hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
-    w = tl.load(w_ptr + d, mask=ok, other=0.0)
-    if WEIGHT_IN_FP32:
-        return (w.to(tl.float32) * normed).to(h.dtype)
-    return (w.to(h.dtype).to(tl.float32) * normed.to(h.dtype).to(tl.float32)).to(h.dtype)
 
 
 def _collapse(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_in_fp32: bool) -> torch.Tensor:
@@ -425,7 +414,7 @@ def _expand_collapse_kernel(
         out = (tl.load(post_ptr + t * HC + k) * y + mixed).to(dtype)
         tl.store(out_ptr + t * stride_rt + k * stride_rh + d, out, mask=ok)
         acc += tl.load(pre_ptr + t * HC + k) * out.to(tl.float32)
-    h = _norm_row(acc.to(dtype), w_ptr, d, ok, D, eps, False)
+    h = norm_row(acc.to(dtype).to(tl.float32), tl.load(w_ptr + d, mask=ok, other=0.0), D, eps, False, dtype)
     tl.store(h_ptr + t * stride_ht + d, h, mask=ok)
 
 

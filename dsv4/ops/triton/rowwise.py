@@ -27,7 +27,7 @@ IDX_BLOCK = tl.constexpr(storage.IDX_BLOCK)  # the indexer keys' channels per sc
 
 
 @triton.jit
-def _normalise(h, w, n, eps, WEIGHT_IN_FP32: tl.constexpr, dtype: tl.constexpr):
+def norm_row(h, w, n, eps, WEIGHT_IN_FP32: tl.constexpr, dtype: tl.constexpr):
     """RMSNorm of one row h (fp32, zero past its n values) in `dtype`: weight * (h *
     rsqrt(mean(h^2) + eps)), V4.1 rounding the normalised value to `dtype` before the weight
     multiply (WEIGHT_IN_FP32 False), V4 multiplying in fp32."""
@@ -53,7 +53,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, N, eps, WEIGHT_I
         rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / N + eps)
         y = (h * rstd.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
     else:
-        y = _normalise(h, tl.load(w_ptr + cols, mask=ok, other=0.0), N, eps, WEIGHT_IN_FP32, out_ptr.dtype.element_ty)
+        y = norm_row(h, tl.load(w_ptr + cols, mask=ok, other=0.0), N, eps, WEIGHT_IN_FP32, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, y, mask=ok)
 
 
@@ -212,12 +212,12 @@ def _latent_inputs_kernel(
         q_cols = tl.arange(0, Q_BLOCK)
         q_ok = q_cols < QN
         q_a = tl.load(x_ptr + row * stride_x + q_cols, mask=q_ok, other=0.0).to(tl.float32)
-        q = _normalise(q_a, tl.load(qw_ptr + q_cols, mask=q_ok, other=0.0), QN, eps, WEIGHT_IN_FP32, dtype)
+        q = norm_row(q_a, tl.load(qw_ptr + q_cols, mask=q_ok, other=0.0), QN, eps, WEIGHT_IN_FP32, dtype)
         tl.store(q_ptr + row * stride_q + q_cols, q, mask=q_ok)
     else:
         kv_cols = tl.arange(0, KVN)
         kv_in = tl.load(x_ptr + row * stride_x + QN + kv_cols).to(tl.float32)
-        kv = _normalise(kv_in, tl.load(kvw_ptr + kv_cols), KVN, eps, WEIGHT_IN_FP32, dtype).to(tl.float32)
+        kv = norm_row(kv_in, tl.load(kvw_ptr + kv_cols), KVN, eps, WEIGHT_IN_FP32, dtype).to(tl.float32)
         p = (tl.arange(0, KVN // 2) - (KVN // 2 - HALF))[None, :]
         c_ptrs, s_ptrs = cos_ptr + row * stride_c + p, sin_ptr + row * stride_c + p
         kv = _rope_tail(tl.reshape(kv, (1, KVN)), c_ptrs, s_ptrs, tl.full((1, 1), True, tl.int1), KVN, HALF, dtype)
