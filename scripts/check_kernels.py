@@ -1641,6 +1641,10 @@ IDX_SCORES_CONFIGS = [  # the default first
 ]
 IDX_TOPK_CONFIGS = [  # the default first
     {"BLOCK": 2048, "num_warps": 8},
+    {"BLOCK": 2048, "num_warps": 8, "RESIDENT_MAX": 0},  # every pass re-reads the row (before session 26)
+    {"BLOCK": 2048, "num_warps": 8, "DIGIT_BITS": 4},
+    {"BLOCK": 2048, "num_warps": 8, "DIGIT_BITS": 5},
+    {"BLOCK": 2048, "num_warps": 8, "DIGIT_BITS": 6},
     {"BLOCK": 1024, "num_warps": 4},
     {"BLOCK": 2048, "num_warps": 8, "CHUNK": 8192},
     {"BLOCK": 1024, "num_warps": 4, "CHUNK": 8192},
@@ -1777,7 +1781,7 @@ def indexer_invariance(cache: IndexerCache) -> None:
 def section_indexer() -> None:
     cache = IndexerCache(64 * 524288 // IDX_PER_BLOCK)  # the largest case's keys: 2.3 GB
     for t, n in IDX_DECODE:  # alternative tilings timed at two decode shapes and the prefill
-        guarded("index_scores", f"decode T={t} len={n}", indexer_decode_case, cache, t, n, (t, n) in ((1, 524288), (64, 16384), (64, 65536)))
+        guarded("index_scores", f"decode T={t} len={n}", indexer_decode_case, cache, t, n, (t, n) in ((1, 4096), (1, 16384), (1, 524288), (64, 16384), (64, 65536)))
     guarded("index_scores", "prefill", indexer_prefill_case, cache)
     for t in (1, 64):  # decode at 1M context (ratio 2: 512K entries)
         guarded("index_scores", f"reindex T={t}", indexer_reindex_case, cache, t, torch.full((t,), 524288, device="cuda"), t)
@@ -2857,11 +2861,14 @@ def indexer_compile_targets() -> list[tuple]:
     out.append(("block_max block=8", indexer._block_max_kernel, block_max, {"BLOCK": 8, "TILE_BLOCKS": bcfg["TILE_BLOCKS"]}, {"num_warps": bcfg["num_warps"]}))
     topk = {"v_ptr": "*fp32", "col_ptr": "*i32", "lengths_ptr": "*i32", "out_ptr": "*i32", "out_v_ptr": "*fp32", "labels_ptr": "*i32",
             "width": i, "k": i, "chunk": i, "stride_v": i, "stride_c": i, "stride_l": i}
-    tcfg = indexer.TOPK_CONFIG
     for stage in (0, 1, 2):
         for labels in (False, True) if stage != 1 else (False,):
-            out.append((f"topk_ascending stage={stage} labels={labels}", indexer._topk_kernel, topk,
-                        {"STAGE": stage, "BLOCK": tcfg["BLOCK"], "LABELS": labels}, {"num_warps": tcfg["num_warps"]}))
+            for columns in (2048, 8192, 1 << 20):  # resident tiles up to RESIDENT_MAX (8192), then streamed ones
+                tiles = indexer.topk_tiles(columns)
+                out.append((f"topk_ascending stage={stage} labels={labels} columns={columns}", indexer._topk_kernel, topk,
+                            {"STAGE": stage, "LABELS": labels, "BITS": indexer.TOPK_CONFIG["DIGIT_BITS"],
+                             **{k: v for k, v in tiles.items() if k != "num_warps"}},
+                            {"num_warps": tiles["num_warps"]}))
     pool = {"cand_ptr": "*i32:16", "visible_ptr": "*i64:16", "out_ptr": "*i32:16", "n": i, "stride_ct": i, "stride_ot": i}
     out.append(("pool_entries block=8", indexer._pool_entries_kernel, pool, {"BLOCK": 8, "TILE": indexer.POOL_TILE}, {"num_warps": 4}))
     return out

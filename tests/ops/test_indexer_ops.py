@@ -352,9 +352,20 @@ def test_topk_naive_definition_on_short_rows():
             assert torch.equal(ops.topk_ascending_reference(scores, lengths, k), _naive_topk(scores, lengths, k))
 
 
+# the two ways a program reads its columns: kept in registers through the passes (RESIDENT_MAX
+# above the row), or re-read tile by tile each pass (0: never resident; BLOCK 1024 makes the
+# 2500-column rows 3 tiles, the last partial); and digits of other widths than 8 bits (5: a
+# 2-bit last pass)
+TOPK_READS = {"resident": {}, "streamed": {"RESIDENT_MAX": 0, "BLOCK": 1024}, "resident 5-bit": {"DIGIT_BITS": 5},
+              "streamed 4-bit": {"RESIDENT_MAX": 0, "BLOCK": 1024, "DIGIT_BITS": 4}}
+
+
 @needs_triton
+@pytest.mark.parametrize("reads", TOPK_READS)
 @pytest.mark.parametrize("k", [1, 40, 700, 3000])
-def test_topk_kernel_matches_reference(k):
+def test_topk_kernel_matches_reference(monkeypatch, k, reads):
+    monkeypatch.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, **TOPK_READS[reads]))
+    assert tk.topk_tiles(2500)["RESIDENT"] == reads.startswith("resident")
     lengths = torch.tensor(TOPK_LENGTHS)
     for scores in (_tie_scores(5, len(TOPK_LENGTHS), 2500), _radix_scores(6, len(TOPK_LENGTHS), 2500)):
         ref = ops.topk_ascending_reference(scores, lengths, k)
@@ -366,17 +377,38 @@ def test_topk_kernel_matches_reference(k):
 
 
 @needs_triton
+@pytest.mark.parametrize("resident_max", [0, 4096])
 @pytest.mark.parametrize("chunk_per_k,k", [(2, 40), (0, 700)])
-def test_topk_kernel_split_rows(monkeypatch, chunk_per_k, k):
+def test_topk_kernel_split_rows(monkeypatch, chunk_per_k, k, resident_max):
     """Rows split into chunks (stage 1) and merged (stage 2): chunks longer than k, and chunks
-    shorter than k (every pickable column of a chunk is a candidate)."""
-    monkeypatch.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=512, CHUNK_PER_K=chunk_per_k))
+    shorter than k (every pickable column of a chunk is a candidate); stage 2's candidates
+    (5 chunks of k) resident or not at RESIDENT_MAX 4096 (k 40: 200 columns; k 700: 3500)."""
+    monkeypatch.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=512, CHUNK_PER_K=chunk_per_k, RESIDENT_MAX=resident_max))
     monkeypatch.setattr(tk, "num_sms", lambda device: 1000)  # a "small" batch whatever its size
     lengths = torch.tensor(TOPK_LENGTHS)
     assert tk.topk_chunks(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE))[1] > 1
     for scores in (_tie_scores(9, len(TOPK_LENGTHS), 2500), _radix_scores(10, len(TOPK_LENGTHS), 2500)):
         ref = ops.topk_ascending_reference(scores, lengths, k)
         assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k).cpu(), ref)
+
+
+@needs_triton
+def test_topk_chunks_resident_where_both_stages_fit(monkeypatch):
+    """Small batches split rows into RESIDENT_MAX-column chunks where stage 2's candidates fit
+    a resident tile too, else into CHUNK columns; the selection is the same either way."""
+    monkeypatch.setattr(tk, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert tk.topk_chunks(1, 32768, 512, cpu) == (8192, 4)  # stage 2: 2048 candidates
+    assert tk.topk_chunks(64, 131072, 512, cpu) == (8192, 16)  # 8192: still one resident tile
+    assert tk.topk_chunks(1, 524288, 512, cpu) == (16384, 32)  # 64 x 512 would not fit
+    assert tk.topk_chunks(1, 32768, 2048, cpu) == (16384, 2)  # CHUNK_PER_K x k is the longer
+    assert tk.topk_chunks(132, 32768, 512, cpu) == (32768, 1)  # a row a program fills the SMs
+    monkeypatch.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=2048, CHUNK_PER_K=2, RESIDENT_MAX=1024))
+    monkeypatch.setattr(tk, "num_sms", lambda device: 1000)
+    lengths = torch.tensor(TOPK_LENGTHS)
+    assert tk.topk_chunks(len(TOPK_LENGTHS), 2500, 40, torch.device(DEVICE)) == (1024, 3)
+    for scores in (_tie_scores(12, len(TOPK_LENGTHS), 2500), _radix_scores(13, len(TOPK_LENGTHS), 2500)):
+        assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), 40).cpu(), ops.topk_ascending_reference(scores, lengths, 40))
 
 
 @pytest.mark.parametrize("k", [1, 40, 700])
@@ -391,12 +423,14 @@ def test_topk_labels_are_the_picked_columns_labels(k):
     assert torch.equal(ops.topk_ascending_reference(scores, lengths, k, labels), want)
     assert (want >= 0).any() and (want < 0).any()
     if tk is not None:
-        assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=512, CHUNK_PER_K=2))
-            m.setattr(tk, "num_sms", lambda device: 1000)
-            assert tk.topk_chunks(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE))[1] > 1
-            assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
+        for reads in TOPK_READS.values():
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, **reads))
+                assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
+                m.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=512, CHUNK_PER_K=2))
+                m.setattr(tk, "num_sms", lambda device: 1000)
+                assert tk.topk_chunks(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE))[1] > 1
+                assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
 
 
 def test_pool_entries_reference_matches_definition():

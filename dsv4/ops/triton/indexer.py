@@ -27,18 +27,21 @@ the largest width and replayed with any lengths, doing work in proportion to the
 * `block_max` — program (row, split): tiles of TILE_BLOCKS blocks, max per block, the newest
   block forced to +inf.
 * `topk_ascending` — radix select on the order-preserving uint32 image of each score, one
-  program per row looping over its columns: 4 passes of 8-bit digits (`tl.histogram` of the
-  columns still matching the digits chosen so far) find the k-th largest key; one ordered
-  compaction pass (`tl.cumsum`) then emits, in ascending column order, every column above it
-  and the first columns equal to it — which is the lower-column tie rule and the ascending
-  output at once. Rows of at most k columns skip the passes; a pass whose chosen digit holds
-  exactly the columns still needed ends the search. Batches of fewer rows than SMs split rows
-  longer than a chunk (`TOPK_CONFIG`): each chunk selects its own top k (stage 1), then one
-  program per row selects among the chunks' candidates (stage 2). Exact: a column of the row's
-  top k is beaten (larger score, or equal and lower column) by fewer than k columns of the
-  row, so also of its chunk; candidates are kept in (chunk, column) order, so stage 2's ties
-  and output order are the row's. The result is a set of columns defined by the scores alone,
-  so it is the same whichever path a row takes.
+  program per row looping over its columns: passes of `TOPK_CONFIG["DIGIT_BITS"]`-bit digits
+  (4 of 8 bits; `tl.histogram` of the columns still matching the digits chosen so far) find
+  the k-th largest key; one ordered compaction pass (`tl.cumsum`) then emits, in ascending
+  column order, every column above it and the first columns equal to it — which is the
+  lower-column tie rule and the ascending output at once. Rows of at most k columns skip the
+  passes; a pass whose chosen digit holds exactly the columns still needed ends the search. A
+  program whose columns fit one tile of at most `TOPK_CONFIG["RESIDENT_MAX"]` reads them once
+  and keeps them in registers through the passes and the compaction; longer ones re-read
+  their tiles each pass. Batches of fewer rows than SMs split rows longer than a chunk
+  (`topk_chunks`): each chunk selects its own top k (stage 1), then one program per row
+  selects among the chunks' candidates (stage 2). Exact: a column of the row's top k is beaten
+  (larger score, or equal and lower column) by fewer than k columns of the row, so also of
+  its chunk; candidates are kept in (chunk, column) order, so stage 2's ties and output order
+  are the row's. The result is a set of columns defined by the scores alone, so it is the
+  same whichever path a row takes.
 """
 
 from __future__ import annotations
@@ -79,7 +82,18 @@ BLOCK_MAX_CONFIG = {"TILE_BLOCKS": 128, "num_warps": 4, "PROGRAMS_PER_SM": 4}
 # longer than k, so stage 2 reads a fraction of the row). 2048-column tiles at 8 warps
 # (S13-4 sweep, k=512): T=64 x 16K 0.105 -> 0.080 ms, T=64 x 64K 0.150 -> 0.126, T=1 x 512K
 # 0.202 -> 0.140 against 1024 at 4 warps.
-TOPK_CONFIG = {"BLOCK": 2048, "num_warps": 8, "CHUNK": 16384, "CHUNK_PER_K": 8}
+# RESIDENT_MAX: programs that select among at most this many columns read them once into
+# registers (one tile, at most RESIDENT_COLS a thread: 16 warps at 8192) instead of once per
+# radix pass and again to compact: at one row, 5 reads one after another (each an L2 round
+# trip) per 2048-column tile, 20 for d1_8k's 8192 entries. 0: never. Each column a thread holds
+# takes about 7 registers (the compaction's scans), so (sm_90 compile, Triton 3.6) 8192 columns at
+# 16 warps take 104-128 registers and spill 32 bytes at stage 1 only; 32 a thread took 226-255,
+# and 16384 at 32 warps spilled up to 376 bytes.
+# DIGIT_BITS: bits a radix pass decides (8: 4 passes of 256-bin histograms). Triton's histogram
+# costs a ballot per digit bit and, per element slot, a popcount for each of the bins a lane
+# owns, so narrower digits (4-6) make each pass cheaper and add passes; in check_kernels'
+# top-k sweep, not yet timed on a device.
+TOPK_CONFIG = {"BLOCK": 2048, "num_warps": 8, "CHUNK": 16384, "CHUNK_PER_K": 8, "RESIDENT_MAX": 8192, "RESIDENT_COLS": 16, "DIGIT_BITS": 8}
 
 
 def _fail(op: str, name: str, expected: str, got) -> None:
@@ -397,50 +411,76 @@ def _load_row(v_ptr, c, hi):
 
 
 @triton.jit
-def _radix_threshold(v_ptr, lo, hi, k, BLOCK: tl.constexpr):
+def _digit_hist(key, ok, prefix, mask, shift, DIGITS: tl.constexpr):
+    """Histogram of the digit (key >> shift) & (DIGITS - 1) of the pickable keys still matching
+    prefix."""
+    return tl.histogram(((key >> shift) & (DIGITS - 1)).to(tl.int32), DIGITS, mask=ok & ((key & mask) == prefix))
+
+
+@triton.jit
+def _radix_pass(v_ptr, lo, hi, k, key, ok_tile, prefix, mask, need, done, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                BITS: tl.constexpr, P: tl.constexpr):
+    """Radix pass P of `_radix_threshold`: the digit of BITS bits below the P * BITS decided
+    ones (the last pass: the bits left), chosen among the columns matching prefix."""
+    if BITS * (P + 1) < 32:
+        SHIFT: tl.constexpr = 32 - BITS * (P + 1)
+    else:
+        SHIFT: tl.constexpr = 0
+    DIGITS: tl.constexpr = 1 << (32 - BITS * P - SHIFT)
+    hist = tl.zeros([DIGITS], dtype=tl.int32)
+    if RESIDENT:
+        if not done:
+            hist = _digit_hist(key, ok_tile, prefix, mask, SHIFT, DIGITS)
+    else:
+        offs = tl.arange(0, BLOCK)
+        for i in range(0, tl.where(done, 0, tl.cdiv(hi - lo, BLOCK))):
+            v, ok = _load_row(v_ptr, lo + i * BLOCK + offs, hi)
+            hist += _digit_hist(_ordered_key(v), ok, prefix, mask, SHIFT, DIGITS)
+    total = tl.sum(hist, 0)
+    if P == 0:
+        done = done | (total <= k)  # at most k pickable columns: all of them
+    # the highest digit whose columns, with those of the digits above, reach `need`
+    values = tl.arange(0, DIGITS)
+    at_least = total - tl.cumsum(hist, 0) + hist
+    digit = tl.max(tl.where(at_least >= need, values, -1), 0)
+    above = tl.sum(tl.where(values > digit, hist, 0), 0)
+    in_digit = tl.sum(tl.where(values == digit, hist, 0), 0)
+    prefix = tl.where(done, prefix, prefix | (digit.to(tl.uint32) << SHIFT))
+    mask = tl.where(done, mask, mask | (tl.full([], DIGITS - 1, tl.uint32) << SHIFT))
+    left = need - above
+    finished = in_digit == left  # every column of this digit is picked: no finer digit needed
+    need = tl.where(done, need, left)
+    return prefix, mask, need, done | finished
+
+
+@triton.jit
+def _radix_threshold(v_ptr, lo, hi, k, v_tile, ok_tile, BLOCK: tl.constexpr, RESIDENT: tl.constexpr, BITS: tl.constexpr):
     """The k-th largest key of columns lo..hi-1 (pickable ones; all of them when there are at
     most k) as (prefix, mask, need): pick the columns whose key & mask is above prefix, and the
-    first `need` whose key & mask equals it."""
-    offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
-    n_tiles = tl.cdiv(hi - lo, BLOCK)
+    first `need` whose key & mask equals it. Digits of BITS bits from the top, the last pass
+    taking what is left. RESIDENT (hi - lo <= BLOCK): the columns are the one tile (v_tile,
+    ok_tile) the caller read, kept in registers through the passes; else every pass reads them
+    again tile by tile."""
     prefix = tl.full([], 0, tl.uint32)
     mask = tl.full([], 0, tl.uint32)  # mask 0, prefix 0, need k: every pickable column
     need = k
     done = hi - lo <= k
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros([256], dtype=tl.int32)
-        for i in range(0, tl.where(done, 0, n_tiles)):
-            v, ok = _load_row(v_ptr, lo + i * BLOCK + offs, hi)
-            key = _ordered_key(v)
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=ok & ((key & mask) == prefix))
-        total = tl.sum(hist, 0)
-        if p == 0:
-            done = done | (total <= k)  # at most k pickable columns: all of them
-        # the highest digit whose columns, with those of the digits above, reach `need`
-        at_least = total - tl.cumsum(hist, 0) + hist
-        digit = tl.max(tl.where(at_least >= need, bins, -1), 0)
-        above = tl.sum(tl.where(bins > digit, hist, 0), 0)
-        in_digit = tl.sum(tl.where(bins == digit, hist, 0), 0)
-        prefix = tl.where(done, prefix, prefix | (digit.to(tl.uint32) << shift))
-        mask = tl.where(done, mask, mask | (tl.full([], 255, tl.uint32) << shift))
-        left = need - above
-        finished = in_digit == left  # every column of this digit is picked: no finer digit needed
-        need = tl.where(done, need, left)
-        done = done | finished
+    key = _ordered_key(v_tile) if RESIDENT else None
+    for p in tl.static_range((32 + BITS - 1) // BITS):
+        prefix, mask, need, done = _radix_pass(v_ptr, lo, hi, k, key, ok_tile, prefix, mask, need, done, BLOCK, RESIDENT, BITS, p)
     return prefix, mask, need
 
 
 @triton.jit
 def _topk_kernel(
     v_ptr, col_ptr, lengths_ptr, out_ptr, out_v_ptr, labels_ptr, width, k, chunk, stride_v, stride_c, stride_l,
-    STAGE: tl.constexpr, BLOCK: tl.constexpr, LABELS: tl.constexpr, PDL: tl.constexpr,
+    STAGE: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr, BITS: tl.constexpr, LABELS: tl.constexpr, PDL: tl.constexpr,
 ):
     """STAGE 0: the top k of a whole row -> out [T, k]. STAGE 1: of chunk s of the row (columns
     s*chunk ..) -> columns and scores out[t*S + s, :k]. STAGE 2: of the candidates row t of
     stage 1 left (cdiv(length, chunk) chunks of k, in column order) -> their columns, out [T, k].
-    LABELS (stages 0 and 2): each picked column's label labels[t, col] is stored instead."""
+    LABELS (stages 0 and 2): each picked column's label labels[t, col] is stored instead.
+    RESIDENT: every program's columns fit one BLOCK (`topk_tiles`), read once."""
     begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     length = tl.minimum(tl.load(lengths_ptr + t).to(tl.int32), width)
@@ -457,13 +497,20 @@ def _topk_kernel(
         hi = length
         out_row = t
     row_v = v_ptr + t * stride_v
-    prefix, mask, need = _radix_threshold(row_v, lo, hi, k, BLOCK)
     offs = tl.arange(0, BLOCK)
+    if RESIDENT:  # the program's only read of its columns
+        v_tile, ok_tile = _load_row(row_v, lo + offs, hi)
+    else:
+        v_tile, ok_tile = None, None
+    prefix, mask, need = _radix_threshold(row_v, lo, hi, k, v_tile, ok_tile, BLOCK, RESIDENT, BITS)
     taken = tl.zeros([], tl.int32)
     equal_seen = tl.zeros([], tl.int32)
     for i in range(0, tl.cdiv(hi - lo, BLOCK)):
         c = lo + i * BLOCK + offs
-        v, ok = _load_row(row_v, c, hi)
+        if RESIDENT:
+            v, ok = v_tile, ok_tile
+        else:
+            v, ok = _load_row(row_v, c, hi)
         key = _ordered_key(v) & mask
         equal = ok & (key == prefix)
         pick = (ok & (key > prefix)) | (equal & (equal_seen + tl.cumsum(equal.to(tl.int32), 0) <= need))
@@ -493,13 +540,29 @@ def _topk_kernel(
 
 def topk_chunks(rows: int, width: int, k: int, device: torch.device) -> tuple[int, int]:
     """(chunk, chunks) of the split top-k for a batch shape; chunks == 1: one program per row.
-    Shapes only, so a captured graph keeps its grid."""
+    Chunks of RESIDENT_MAX columns where both stages' programs then hold their columns in
+    registers (at k 512: rows up to 128K columns), else of CHUNK. Shapes only, so a captured
+    graph keeps its grid."""
     cfg = TOPK_CONFIG
     chunk = triton.cdiv(max(cfg["CHUNK"], cfg["CHUNK_PER_K"] * k), cfg["BLOCK"]) * cfg["BLOCK"]
+    resident = max(cfg["RESIDENT_MAX"], cfg["CHUNK_PER_K"] * k)  # chunks a resident tile each, where stage 2's fit one too
+    if 0 < resident < chunk and triton.cdiv(width, resident) * k <= cfg["RESIDENT_MAX"]:
+        chunk = resident
     chunks = triton.cdiv(width, chunk)
     if chunks <= 1 or rows >= num_sms(device):
         return width, 1
     return chunk, chunks
+
+
+def topk_tiles(columns: int) -> dict:
+    """The tile knobs of a top-k launch whose programs select among at most `columns` columns:
+    up to RESIDENT_MAX, one resident tile of the next power of two (at least BLOCK), at most
+    RESIDENT_COLS columns a thread; longer, BLOCK-column tiles read again by every pass."""
+    cfg = TOPK_CONFIG
+    block = max(triton.next_power_of_2(columns), cfg["BLOCK"])
+    if block > cfg["RESIDENT_MAX"]:
+        return {"BLOCK": cfg["BLOCK"], "RESIDENT": False, "num_warps": cfg["num_warps"]}
+    return {"BLOCK": block, "RESIDENT": True, "num_warps": max(cfg["num_warps"], block // (32 * cfg["RESIDENT_COLS"]))}
 
 
 def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -521,16 +584,18 @@ def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int, labels: 
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     lengths = lengths.contiguous()
     lab = out if labels is None else (labels if labels.stride(-1) == 1 else labels.contiguous())
-    cfg = TOPK_CONFIG
-    opts = {"BLOCK": cfg["BLOCK"], "num_warps": cfg["num_warps"], "LABELS": labels is not None, **pdl_launch(scores.device)}
+    opts = {"BITS": TOPK_CONFIG["DIGIT_BITS"], "LABELS": labels is not None, **pdl_launch(scores.device)}
     chunk, chunks = topk_chunks(t, width, k, scores.device)
     if chunks == 1:
-        _topk_kernel[(t, 1)](scores, out, lengths, out, out, lab, width, k, width, scores.stride(0), 0, lab.stride(0), STAGE=0, **opts)
+        _topk_kernel[(t, 1)](scores, out, lengths, out, out, lab, width, k, width, scores.stride(0), 0, lab.stride(0), STAGE=0,
+                             **topk_tiles(width), **opts)
         return out
     cand = torch.empty(t * chunks, k, dtype=torch.int32, device=scores.device)
     cand_v = torch.empty(t * chunks, k, dtype=torch.float32, device=scores.device)
-    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, lab, width, k, chunk, scores.stride(0), 0, lab.stride(0), STAGE=1, **opts)
-    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, lab, width, k, chunk, chunks * k, chunks * k, lab.stride(0), STAGE=2, **opts)
+    _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, lab, width, k, chunk, scores.stride(0), 0, lab.stride(0), STAGE=1,
+                              **topk_tiles(chunk), **opts)
+    _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, lab, width, k, chunk, chunks * k, chunks * k, lab.stride(0), STAGE=2,
+                         **topk_tiles(chunks * k), **opts)
     return out
 
 
