@@ -21,7 +21,8 @@ that each kernel's time is its own: with PDL a kernel starts while its predecess
 its time would include the wait. `--pdl` profiles them as the bench runs them.
 
 `--timeline`: also stores (in the --json file) one replay's kernels in start order with their
-streams, durations and the idle gaps between them: the step's critical chain.
+streams, durations and the idle gaps between them (the step's critical chain), and prints its
+totals (`timeline_summary`: span, durations, the part that ran beside other kernels, gaps).
 
 `--copies`: also lists an eager step's copy ops (copy_, clone, _to_copy, contiguous; a copy
 counts under each op it passes through) by input shapes with the GPU time of their kernels:
@@ -88,6 +89,24 @@ def timeline(step) -> list[dict]:
                     "us": e.device_time, "gap_us": e.time_range.start - last_end})
         last_end = max(last_end, e.time_range.end)
     return out
+
+
+def timeline_summary(entries: list[dict]) -> dict:
+    """A `timeline`'s totals from its first kernel on (leading copies, the step's metadata
+    upload, are not counted): kernels, span_us (first kernel's start to the last end), busy_us
+    (their durations summed), gaps_us (idle time between them, summed), beside_us (busy time
+    that ran beside other kernels: busy - (span - gaps)), lead_us (from the first entry to the
+    first kernel)."""
+    first = next((i for i, e in enumerate(entries) if not e["name"].startswith("Memcpy")), None)
+    if first is None:
+        raise ValueError("the timeline has no kernel")
+    kernels = entries[first:]
+    start = kernels[0]["start_us"]
+    span = max(e["start_us"] + e["us"] for e in kernels) - start
+    busy = sum(e["us"] for e in kernels)
+    gaps = sum(max(0.0, e["gap_us"]) for e in kernels[1:])
+    return {"kernels": len(kernels), "span_us": span, "busy_us": busy, "gaps_us": gaps, "beside_us": busy - (span - gaps),
+            "lead_us": start - entries[0]["start_us"]}
 
 
 # aten ops that only make views or read metadata: no kernel
@@ -177,10 +196,15 @@ def main() -> int:
         doc[case.name] = {"case": case.text, "step_ms": statistics.median(times), "floor_ms": floor, **table}
         if args.timeline:
             doc[case.name]["timeline"] = timeline(lambda: runner.run(batch))
+            summary = doc[case.name]["timeline_summary"] = timeline_summary(doc[case.name]["timeline"])
         print(f"\n== {case.text}{' (PDL)' if args.pdl else ' (no PDL)'}: step {doc[case.name]['step_ms']:.3f} ms (floor {floor:.3f}), GPU span {table['span_us'] / 1e3:.3f} ms, "
               f"kernels {table['kernel_us'] / 1e3:.3f} ms, {sum(k['calls'] for k in table['kernels']):.0f} launches")
         for k in table["kernels"][: args.top]:
             print(f"  {k['us']:9.1f} us {100 * k['us'] / table['kernel_us']:5.1f}% {k['calls']:6.1f}x  {k['name'][:110]}")
+        if args.timeline:
+            print(f"  one replay: {summary['kernels']} kernels over {summary['span_us']:.1f} us from the first, their durations "
+                  f"{summary['busy_us']:.1f} us ({summary['beside_us']:.1f} beside other kernels), idle gaps {summary['gaps_us']:.1f} us; "
+                  f"{summary['lead_us']:.1f} us before the first kernel")
         if args.eager:
             eager = lambda: eager_step(model, batch, cache)  # noqa: E731
             eager_times = bench.time_step(eager, device, 2, 5)

@@ -102,6 +102,21 @@ def test_ncu_source_summary_names_missing_counters():
         ncu_kernels.source_summary(text)
 
 
+def test_timeline_summary_counts_from_the_first_kernel():
+    """A metadata copy, 500 us of host time, then kernels: two in a row (a 1 us gap), one beside
+    them on another stream (overlapping by 3 us), one after a 2 us gap."""
+    def entry(name, start, us, gap):
+        return {"name": name, "stream": 7, "start_us": start, "us": us, "gap_us": gap}
+
+    timeline = [entry("Memcpy HtoD (Pinned -> Device)", 0.0, 1.0, 0.0), entry("_a", 501.0, 10.0, 500.0),
+                entry("_b", 512.0, 5.0, 1.0), entry("_side", 514.0, 4.0, -3.0), entry("_c", 520.0, 2.0, 2.0)]
+    got = profile_step.timeline_summary(timeline)
+    # span 501 -> 522; busy 21; gaps 1 + 2 (the overlap's negative gap is no idle time); 21 - (21 - 3) ran beside
+    assert got == {"kernels": 4, "span_us": 21.0, "busy_us": 21.0, "gaps_us": 3.0, "beside_us": 3.0, "lead_us": 501.0}
+    with pytest.raises(ValueError, match="no kernel"):
+        profile_step.timeline_summary(timeline[:1])
+
+
 def _fake_tree(root: Path, name: str) -> None:
     """A package `dsv4` under root whose `cli.main` prints `name` and its arguments."""
     (root / "dsv4").mkdir(parents=True)
