@@ -1704,7 +1704,7 @@ def indexer_select_case(label: str, scores: torch.Tensor, lengths: torch.Tensor,
         nbytes = int(lengths.long().sum()) * 4 + int(nb.sum()) * 4
         record("block_max", f"{label} block={block}", "triton", ok=exact, err=0.0 if exact else 1.0, **perf(t_k, nbytes, 0, "bf16"))
         scores, lengths = bm, nb.int()
-    chunks = indexer.topk_chunks(t, scores.shape[1], k, scores.device)[1]
+    chunks = indexer.topk_plan(t, scores.shape[1], k, scores.device)[1]
     case = f"{label} {'blocks ' if block else ''}k={k} chunks={chunks}"
     exact = torch.equal(indexer.topk_ascending(scores, lengths, k), ref_ops.topk_ascending_reference(scores, lengths, k))
     t_k = median_time(lambda: indexer.topk_ascending(scores, lengths, k), reps=10)
@@ -1775,7 +1775,7 @@ def indexer_invariance(cache: IndexerCache) -> None:
         same = torch.equal(indexer.block_max(batch[:1], args[6][:1], 8)[0, :nb], indexer.block_max(batch, args[6], 8)[0, :nb])
         record("indexer_invariance", f"block_max {label}: row 0 alone vs in batch", "triton", ok=same)
         same = torch.equal(indexer.topk_ascending(batch[:1], args[6][:1], 512)[0], indexer.topk_ascending(batch, args[6], 512)[0])
-        record("indexer_invariance", f"topk_ascending {label}: row 0 alone ({indexer.topk_chunks(1, n, 512, batch.device)[1]} chunks) vs in batch", "triton", ok=same)
+        record("indexer_invariance", f"topk_ascending {label}: row 0 alone ({indexer.topk_plan(1, n, 512, batch.device)[1]} chunks) vs in batch", "triton", ok=same)
 
 
 def section_indexer() -> None:
@@ -2864,7 +2864,7 @@ def indexer_compile_targets() -> list[tuple]:
     for stage in (0, 1, 2):
         for labels in (False, True) if stage != 1 else (False,):
             for columns in (2048, 8192, 1 << 20):  # resident tiles up to RESIDENT_MAX (8192), then streamed ones
-                tiles = indexer.topk_tiles(columns)
+                tiles = indexer.topk_tiles(columns, columns <= indexer.TOPK_CONFIG["RESIDENT_MAX"])
                 out.append((f"topk_ascending stage={stage} labels={labels} columns={columns}", indexer._topk_kernel, topk,
                             {"STAGE": stage, "LABELS": labels, "BITS": indexer.TOPK_CONFIG["DIGIT_BITS"],
                              **{k: v for k, v in tiles.items() if k != "num_warps"}},

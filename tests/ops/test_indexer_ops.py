@@ -365,48 +365,53 @@ TOPK_READS = {"resident": {}, "streamed": {"RESIDENT_MAX": 0, "BLOCK": 1024}, "r
 @pytest.mark.parametrize("k", [1, 40, 700, 3000])
 def test_topk_kernel_matches_reference(monkeypatch, k, reads):
     monkeypatch.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, **TOPK_READS[reads]))
-    assert tk.topk_tiles(2500)["RESIDENT"] == reads.startswith("resident")
+    monkeypatch.setattr(tk, "num_sms", lambda device: 16)  # a batch of 9 rows: one wave
+    assert tk.topk_plan(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE)) == (2500, 1, reads.startswith("resident"))
     lengths = torch.tensor(TOPK_LENGTHS)
-    for scores in (_tie_scores(5, len(TOPK_LENGTHS), 2500), _radix_scores(6, len(TOPK_LENGTHS), 2500)):
-        ref = ops.topk_ascending_reference(scores, lengths, k)
-        y = tk.topk_ascending(*_dev(scores, lengths), k)
-        assert y.dtype == torch.int32 and torch.equal(y.cpu(), ref)
-    for r in (4, 5):  # batch invariance (exact by construction: the result is a set)
-        alone = tk.topk_ascending(*_dev(scores[r : r + 1], lengths[r : r + 1]), k)
-        assert torch.equal(alone.cpu()[0], ref[r])
+# split rows: chunks re-read each pass (CHUNK 512), or resident chunks of RESIDENT_MAX 1024
+# where the merge fits one tile (k 1 and 40: 3 chunks; at k 700 the plan falls back to CHUNK)
+TOPK_SPLITS = {"streamed": {"BLOCK": 256, "CHUNK": 512, "RESIDENT_MAX": 0},
+               "resident": {"BLOCK": 256, "CHUNK": 2048, "RESIDENT_MAX": 1024}}
 
 
 @needs_triton
-@pytest.mark.parametrize("resident_max", [0, 4096])
+@pytest.mark.parametrize("split", TOPK_SPLITS)
 @pytest.mark.parametrize("chunk_per_k,k", [(2, 40), (0, 700)])
-def test_topk_kernel_split_rows(monkeypatch, chunk_per_k, k, resident_max):
+def test_topk_kernel_split_rows(monkeypatch, chunk_per_k, k, split):
     """Rows split into chunks (stage 1) and merged (stage 2): chunks longer than k, and chunks
-    shorter than k (every pickable column of a chunk is a candidate); stage 2's candidates
-    (5 chunks of k) resident or not at RESIDENT_MAX 4096 (k 40: 200 columns; k 700: 3500)."""
-    monkeypatch.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=512, CHUNK_PER_K=chunk_per_k, RESIDENT_MAX=resident_max))
+    shorter than k (every pickable column of a chunk is a candidate)."""
+    monkeypatch.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, CHUNK_PER_K=chunk_per_k, **TOPK_SPLITS[split]))
     monkeypatch.setattr(tk, "num_sms", lambda device: 1000)  # a "small" batch whatever its size
     lengths = torch.tensor(TOPK_LENGTHS)
-    assert tk.topk_chunks(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE))[1] > 1
+    _, chunks, resident = tk.topk_plan(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE))
+    assert chunks > 1 and resident == (split == "resident" and k == 40)
     for scores in (_tie_scores(9, len(TOPK_LENGTHS), 2500), _radix_scores(10, len(TOPK_LENGTHS), 2500)):
         ref = ops.topk_ascending_reference(scores, lengths, k)
         assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k).cpu(), ref)
 
 
 @needs_triton
-def test_topk_chunks_resident_where_both_stages_fit(monkeypatch):
-    """Small batches split rows into RESIDENT_MAX-column chunks where stage 2's candidates fit
-    a resident tile too, else into CHUNK columns; the selection is the same either way."""
+def test_topk_plan_resident_where_the_programs_fit_one_wave(monkeypatch):
+    """Resident reads where the call's programs fit one wave: whole rows up to RESIDENT_MAX,
+    or small batches split into RESIDENT_MAX chunks whose merge fits one tile too; else the
+    tiles are re-read each pass (small batches in CHUNK columns). The selection is the same
+    either way."""
     monkeypatch.setattr(tk, "num_sms", lambda device: 132)
     cpu = torch.device("cpu")
-    assert tk.topk_chunks(1, 32768, 512, cpu) == (8192, 4)  # stage 2: 2048 candidates
-    assert tk.topk_chunks(64, 131072, 512, cpu) == (8192, 16)  # 8192: still one resident tile
-    assert tk.topk_chunks(1, 524288, 512, cpu) == (16384, 32)  # 64 x 512 would not fit
-    assert tk.topk_chunks(1, 32768, 2048, cpu) == (16384, 2)  # CHUNK_PER_K x k is the longer
-    assert tk.topk_chunks(132, 32768, 512, cpu) == (32768, 1)  # a row a program fills the SMs
+    assert tk.topk_plan(1, 8192, 512, cpu) == (8192, 1, True)  # batch-1 decode at 8K
+    assert tk.topk_plan(1, 32768, 512, cpu) == (8192, 4, True)  # the merge: 2048 candidates
+    assert tk.topk_plan(64, 16384, 512, cpu) == (8192, 2, True)  # 128 programs
+    assert tk.topk_plan(64, 65536, 512, cpu) == (16384, 4, False)  # 512 programs: more than one wave
+    assert tk.topk_plan(1, 524288, 512, cpu) == (16384, 32, False)  # a merge of 64 x 512 would not fit
+    assert tk.topk_plan(1, 32768, 2048, cpu) == (16384, 2, False)  # CHUNK_PER_K x k is the longer
+    assert tk.topk_plan(132, 8192, 512, cpu) == (8192, 1, False)  # a row a program fills the SMs
+    assert tk.topk_tiles(8192, True) == {"BLOCK": 8192, "RESIDENT": True, "num_warps": 16}  # 16 columns a thread
+    assert tk.topk_tiles(1000, True) == {"BLOCK": 2048, "RESIDENT": True, "num_warps": 8}
+    assert tk.topk_tiles(8192, False) == {"BLOCK": 2048, "RESIDENT": False, "num_warps": 8}
     monkeypatch.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=2048, CHUNK_PER_K=2, RESIDENT_MAX=1024))
     monkeypatch.setattr(tk, "num_sms", lambda device: 1000)
     lengths = torch.tensor(TOPK_LENGTHS)
-    assert tk.topk_chunks(len(TOPK_LENGTHS), 2500, 40, torch.device(DEVICE)) == (1024, 3)
+    assert tk.topk_plan(len(TOPK_LENGTHS), 2500, 40, torch.device(DEVICE)) == (1024, 3, True)
     for scores in (_tie_scores(12, len(TOPK_LENGTHS), 2500), _radix_scores(13, len(TOPK_LENGTHS), 2500)):
         assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), 40).cpu(), ops.topk_ascending_reference(scores, lengths, 40))
 
@@ -422,15 +427,21 @@ def test_topk_labels_are_the_picked_columns_labels(k):
     want = torch.where(cols >= 0, labels.long().gather(1, cols.clamp_min(0)), -1).int()
     assert torch.equal(ops.topk_ascending_reference(scores, lengths, k, labels), want)
     assert (want >= 0).any() and (want < 0).any()
-    if tk is not None:
-        for reads in TOPK_READS.values():
-            with pytest.MonkeyPatch.context() as m:
-                m.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, **reads))
-                assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
-                m.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, BLOCK=256, CHUNK=512, CHUNK_PER_K=2))
-                m.setattr(tk, "num_sms", lambda device: 1000)
-                assert tk.topk_chunks(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE))[1] > 1
-                assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
+    if tk is None:
+        return
+    device = torch.device(DEVICE)
+    for reads in TOPK_READS.values():  # one program per row
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, **reads))
+            m.setattr(tk, "num_sms", lambda device: 16)
+            assert tk.topk_plan(len(TOPK_LENGTHS), 2500, k, device)[1] == 1
+            assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
+    for split in TOPK_SPLITS.values():  # split rows: the labels are read in stage 2
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(tk, "TOPK_CONFIG", dict(tk.TOPK_CONFIG, CHUNK_PER_K=2, **split))
+            m.setattr(tk, "num_sms", lambda device: 1000)
+            assert tk.topk_plan(len(TOPK_LENGTHS), 2500, k, device)[1] > 1
+            assert torch.equal(tk.topk_ascending(*_dev(scores, lengths), k, _dev(labels.contiguous())[0]).cpu(), want)
 
 
 def test_pool_entries_reference_matches_definition():

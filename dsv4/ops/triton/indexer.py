@@ -34,9 +34,9 @@ the largest width and replayed with any lengths, doing work in proportion to the
   lower-column tie rule and the ascending output at once. Rows of at most k columns skip the
   passes; a pass whose chosen digit holds exactly the columns still needed ends the search. A
   program whose columns fit one tile of at most `TOPK_CONFIG["RESIDENT_MAX"]` reads them once
-  and keeps them in registers through the passes and the compaction; longer ones re-read
-  their tiles each pass. Batches of fewer rows than SMs split rows longer than a chunk
-  (`topk_chunks`): each chunk selects its own top k (stage 1), then one program per row
+  and keeps them in registers through the passes and the compaction, where the call's programs
+  fit one wave (`topk_plan`); else they re-read their tiles each pass. Batches of fewer rows
+  than SMs split rows longer than a chunk: each chunk selects its own top k (stage 1), then one program per row
   selects among the chunks' candidates (stage 2). Exact: a column of the row's top k is beaten
   (larger score, or equal and lower column) by fewer than k columns of the row, so also of
   its chunk; candidates are kept in (chunk, column) order, so stage 2's ties and output order
@@ -88,7 +88,10 @@ BLOCK_MAX_CONFIG = {"TILE_BLOCKS": 128, "num_warps": 4, "PROGRAMS_PER_SM": 4}
 # trip) per 2048-column tile, 20 for d1_8k's 8192 entries. 0: never. Each column a thread holds
 # takes about 7 registers (the compaction's scans), so (sm_90 compile, Triton 3.6) 8192 columns at
 # 16 warps take 104-128 registers and spill 32 bytes at stage 1 only; 32 a thread took 226-255,
-# and 16384 at 32 warps spilled up to 376 bytes.
+# and 16384 at 32 warps spilled up to 376 bytes. At one program an SM (16 warps) they only pay
+# within one wave (`topk_plan`): H100, S26-1, k 512, us: T=1 x 4096 30.7 -> 16.5, T=64 x 16K
+# in resident 8192-column chunks 80.2 -> 54.5, but T=64 x 64K (512 chunk programs) 129.7 ->
+# 137.8, and a resident merge after re-read 16K chunks 141.0.
 # DIGIT_BITS: bits a radix pass decides (8: 4 passes of 256-bin histograms). Triton's histogram
 # costs a ballot per digit bit and, per element slot, a popcount for each of the bins a lane
 # owns, so narrower digits (4-6) make each pass cheaper and add passes; in check_kernels'
@@ -480,7 +483,7 @@ def _topk_kernel(
     s*chunk ..) -> columns and scores out[t*S + s, :k]. STAGE 2: of the candidates row t of
     stage 1 left (cdiv(length, chunk) chunks of k, in column order) -> their columns, out [T, k].
     LABELS (stages 0 and 2): each picked column's label labels[t, col] is stored instead.
-    RESIDENT: every program's columns fit one BLOCK (`topk_tiles`), read once."""
+    RESIDENT: every program's columns fit one BLOCK (`topk_plan`), read once."""
     begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     length = tl.minimum(tl.load(lengths_ptr + t).to(tl.int32), width)
@@ -538,30 +541,38 @@ def _topk_kernel(
             tl.store(out_v_ptr + out_row * k + slot, float("-inf"), mask=empty)
 
 
-def topk_chunks(rows: int, width: int, k: int, device: torch.device) -> tuple[int, int]:
-    """(chunk, chunks) of the split top-k for a batch shape; chunks == 1: one program per row.
-    Chunks of RESIDENT_MAX columns where both stages' programs then hold their columns in
-    registers (at k 512: rows up to 128K columns), else of CHUNK. Shapes only, so a captured
-    graph keeps its grid."""
+def topk_plan(rows: int, width: int, k: int, device: torch.device) -> tuple[int, int, bool]:
+    """(chunk, chunks, resident) of the top-k for a batch shape; chunks == 1: one program per
+    row. Resident (every program holds its columns in registers, `topk_tiles`) where the call
+    fits one wave of programs: fewer rows than SMs, and, rows longer than RESIDENT_MAX split
+    into chunks of RESIDENT_MAX, at most an SM's worth of chunk programs whose candidates fit
+    one resident merge (at k 512 and one row: up to 128K columns). Else the row's tiles are
+    re-read each pass, and small batches split rows into CHUNK columns. Shapes only, so a
+    captured graph keeps its grid."""
     cfg = TOPK_CONFIG
+    sms = num_sms(device)
+    few = rows < sms and cfg["RESIDENT_MAX"] > 0
+    if few and width <= cfg["RESIDENT_MAX"]:
+        return width, 1, True
+    if few and cfg["CHUNK_PER_K"] * k <= cfg["RESIDENT_MAX"]:
+        chunks = triton.cdiv(width, cfg["RESIDENT_MAX"])
+        if rows * chunks <= sms and chunks * k <= cfg["RESIDENT_MAX"]:
+            return cfg["RESIDENT_MAX"], chunks, True
     chunk = triton.cdiv(max(cfg["CHUNK"], cfg["CHUNK_PER_K"] * k), cfg["BLOCK"]) * cfg["BLOCK"]
-    resident = max(cfg["RESIDENT_MAX"], cfg["CHUNK_PER_K"] * k)  # chunks a resident tile each, where stage 2's fit one too
-    if 0 < resident < chunk and triton.cdiv(width, resident) * k <= cfg["RESIDENT_MAX"]:
-        chunk = resident
     chunks = triton.cdiv(width, chunk)
-    if chunks <= 1 or rows >= num_sms(device):
-        return width, 1
-    return chunk, chunks
+    if chunks <= 1 or rows >= sms:
+        return width, 1, False
+    return chunk, chunks, False
 
 
-def topk_tiles(columns: int) -> dict:
+def topk_tiles(columns: int, resident: bool) -> dict:
     """The tile knobs of a top-k launch whose programs select among at most `columns` columns:
-    up to RESIDENT_MAX, one resident tile of the next power of two (at least BLOCK), at most
-    RESIDENT_COLS columns a thread; longer, BLOCK-column tiles read again by every pass."""
+    resident, one tile of the next power of two (at least BLOCK), at most RESIDENT_COLS columns
+    a thread; else BLOCK-column tiles read again by every pass."""
     cfg = TOPK_CONFIG
-    block = max(triton.next_power_of_2(columns), cfg["BLOCK"])
-    if block > cfg["RESIDENT_MAX"]:
+    if not resident:
         return {"BLOCK": cfg["BLOCK"], "RESIDENT": False, "num_warps": cfg["num_warps"]}
+    block = max(triton.next_power_of_2(columns), cfg["BLOCK"])
     return {"BLOCK": block, "RESIDENT": True, "num_warps": max(cfg["num_warps"], block // (32 * cfg["RESIDENT_COLS"]))}
 
 
@@ -585,17 +596,17 @@ def topk_ascending(scores: torch.Tensor, lengths: torch.Tensor, k: int, labels: 
     lengths = lengths.contiguous()
     lab = out if labels is None else (labels if labels.stride(-1) == 1 else labels.contiguous())
     opts = {"BITS": TOPK_CONFIG["DIGIT_BITS"], "LABELS": labels is not None, **pdl_launch(scores.device)}
-    chunk, chunks = topk_chunks(t, width, k, scores.device)
+    chunk, chunks, resident = topk_plan(t, width, k, scores.device)
     if chunks == 1:
         _topk_kernel[(t, 1)](scores, out, lengths, out, out, lab, width, k, width, scores.stride(0), 0, lab.stride(0), STAGE=0,
-                             **topk_tiles(width), **opts)
+                             **topk_tiles(width, resident), **opts)
         return out
     cand = torch.empty(t * chunks, k, dtype=torch.int32, device=scores.device)
     cand_v = torch.empty(t * chunks, k, dtype=torch.float32, device=scores.device)
     _topk_kernel[(t, chunks)](scores, cand, lengths, cand, cand_v, lab, width, k, chunk, scores.stride(0), 0, lab.stride(0), STAGE=1,
-                              **topk_tiles(chunk), **opts)
+                              **topk_tiles(chunk, resident), **opts)
     _topk_kernel[(t, 1)](cand_v, cand, lengths, out, out, lab, width, k, chunk, chunks * k, chunks * k, lab.stride(0), STAGE=2,
-                         **topk_tiles(chunks * k), **opts)
+                         **topk_tiles(chunks * k, resident), **opts)
     return out
 
 
