@@ -36,12 +36,12 @@ the largest width and replayed with any lengths, doing work in proportion to the
   program whose columns fit one tile of at most `TOPK_CONFIG["RESIDENT_MAX"]` reads them once
   and keeps them in registers through the passes and the compaction, where the call's programs
   fit one wave (`topk_plan`); else they re-read their tiles each pass. Batches of fewer rows
-  than SMs split rows longer than a chunk: each chunk selects its own top k (stage 1), then one program per row
-  selects among the chunks' candidates (stage 2). Exact: a column of the row's top k is beaten
-  (larger score, or equal and lower column) by fewer than k columns of the row, so also of
-  its chunk; candidates are kept in (chunk, column) order, so stage 2's ties and output order
-  are the row's. The result is a set of columns defined by the scores alone, so it is the
-  same whichever path a row takes.
+  than SMs split rows longer than a chunk: each chunk selects its own top k (stage 1), then
+  one program per row selects among the chunks' candidates (stage 2). Exact: a column of the
+  row's top k is beaten (larger score, or equal and lower column) by fewer than k columns of
+  the row, so also of its chunk; candidates are kept in (chunk, column) order, so stage 2's
+  ties and output order are the row's. The result is a set of columns defined by the scores
+  alone, so it is the same whichever path a row takes.
 """
 
 from __future__ import annotations
