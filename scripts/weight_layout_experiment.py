@@ -16,8 +16,10 @@ weights of the model's shapes in two layouts:
 
 plus torch's copy of the same bytes. If `tiled` streams clearly faster than `rows` at the same
 tiles, a load-time repack of the FP8 weights is the lead; if both sit near the copy, the
-kernels' gap is their own (latency, dequantisation, tails). Not run on a device yet.
-Run there: `python scripts/weight_layout_experiment.py` (writes $OUT/weight_layout.json).
+kernels' gap is their own (latency, dequantisation, tails). Answered on an H100 in the
+twenty-sixth session (docs/PERF.md): `tiled` 0-10% faster at the same tile, sometimes slower,
+and `rows` at the kernels' tile within 6-9% of the copy for wq_b and the MoE — no repack.
+Run: `python scripts/weight_layout_experiment.py` (writes $OUT/weight_layout.json).
 
 Each program XORs every 32-bit word it reads and stores the result, so the XOR of all
 programs' results is the XOR of the whole weight in either layout: both forms read every
