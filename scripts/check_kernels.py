@@ -1780,7 +1780,7 @@ def indexer_invariance(cache: IndexerCache) -> None:
 
 def section_indexer() -> None:
     cache = IndexerCache(64 * 524288 // IDX_PER_BLOCK)  # the largest case's keys: 2.3 GB
-    for t, n in IDX_DECODE:  # alternative tilings timed at two decode shapes and the prefill
+    for t, n in IDX_DECODE:  # alternative tilings timed at five decode shapes and the prefill
         guarded("index_scores", f"decode T={t} len={n}", indexer_decode_case, cache, t, n, (t, n) in ((1, 4096), (1, 16384), (1, 524288), (64, 16384), (64, 65536)))
     guarded("index_scores", "prefill", indexer_prefill_case, cache)
     for t in (1, 64):  # decode at 1M context (ratio 2: 512K entries)
