@@ -368,6 +368,15 @@ def test_topk_kernel_matches_reference(monkeypatch, k, reads):
     monkeypatch.setattr(tk, "num_sms", lambda device: 16)  # a batch of 9 rows: one wave
     assert tk.topk_plan(len(TOPK_LENGTHS), 2500, k, torch.device(DEVICE)) == (2500, 1, reads.startswith("resident"))
     lengths = torch.tensor(TOPK_LENGTHS)
+    for scores in (_tie_scores(5, len(TOPK_LENGTHS), 2500), _radix_scores(6, len(TOPK_LENGTHS), 2500)):
+        ref = ops.topk_ascending_reference(scores, lengths, k)
+        y = tk.topk_ascending(*_dev(scores, lengths), k)
+        assert y.dtype == torch.int32 and torch.equal(y.cpu(), ref)
+    for r in (4, 5):  # batch invariance (exact by construction: the result is a set)
+        alone = tk.topk_ascending(*_dev(scores[r : r + 1], lengths[r : r + 1]), k)
+        assert torch.equal(alone.cpu()[0], ref[r])
+
+
 # split rows: chunks re-read each pass (CHUNK 512), or resident chunks of RESIDENT_MAX 1024
 # where the merge fits one tile (k 1 and 40: 3 chunks; at k 700 the plan falls back to CHUNK)
 TOPK_SPLITS = {"streamed": {"BLOCK": 256, "CHUNK": 512, "RESIDENT_MAX": 0},
