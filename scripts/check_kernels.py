@@ -2799,7 +2799,7 @@ def mhc_compile_targets() -> list[tuple]:
     """mHC at hc = 4, D = 5120 (V4's 4096 for the fp32-weight norm)."""
     from dsv4.ops.triton import fp8_gemm, mhc
 
-    i, f = "i32", "fp32"
+    i, f, a = "i32", "fp32", "i32:16"  # a: sizes and strides that are multiples of 16 at the real shapes
     cfg = mhc.CONFIG
     gemm = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "T": i, "N": i, "K": i, "stride_x": i, "stride_w": i, "stride_part": i, "stride_row": i,
             "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
@@ -2814,18 +2814,23 @@ def mhc_compile_targets() -> list[tuple]:
     epi.update(T=i, K=i, stride_part=i, iters=i, norm_eps=f, hc_eps=f)
     for chunks in (1, mhc.fp32_chunks(4 * 5120)[1]):
         out.append((f"mhc mixes epilogue chunks={chunks}", mhc._mixes_epilogue_kernel, epi, {"CHUNKS": chunks, "HC": 4, "NP": 32, "BLOCK_T": cfg["EPI_BLOCK_T"]}, {"num_warps": 1, "enable_fp_fusion": False}))
-    col = {"x_ptr": "*bf16", "pre_ptr": "*fp32", "out_ptr": "*bf16", "D": i, "stride_xt": i, "stride_xh": i, "stride_ot": i, "eps": f}
-    for norm, fp32_w, d in ((False, False, 5120), (True, False, 5120), (True, True, 4096)):
-        types = dict(col, w_ptr="*fp32" if fp32_w or not norm else "*bf16")
-        consts = {"HC": 4, "NORM": norm, "WEIGHT_IN_FP32": fp32_w, "BLOCK_D": 8192 if d > 4096 else 4096}
-        out.append((f"mhc collapse norm={norm} fp32_weight={fp32_w} D={d}", mhc._collapse_kernel, types, consts, {"num_warps": 8, "enable_fp_fusion": False}))
+    col = {"x_ptr": "*bf16:16", "pre_ptr": "*fp32:16", "out_ptr": "*bf16:16", "part_ptr": "*fp32:16", "D": a, "stride_xt": a, "stride_xh": a,
+           "stride_ot": a}
+    for norm in (False, True):
+        out.append((f"mhc collapse norm={norm}", mhc._collapse_kernel, col, {"HC": 4, "NORM": norm, "BLOCK_D": mhc.COLLAPSE_BLOCK_D},
+                    {"num_warps": 4, "enable_fp_fusion": False}))
+    slices = {"h_ptr": "*bf16:16", "part_ptr": "*fp32:16", "D": a, "stride_ht": a, "eps": f}
+    for fp32_w, d in ((False, 5120), (True, 4096)):
+        out.append((f"mhc norm slices fp32_weight={fp32_w} D={d}", mhc._norm_slices_kernel, dict(slices, w_ptr="*fp32:16" if fp32_w else "*bf16:16"),
+                    {"SLICES": mhc._slices(d)[1], "WEIGHT_IN_FP32": fp32_w, "BLOCK_D": mhc.COLLAPSE_BLOCK_D}, {"num_warps": 4, "enable_fp_fusion": False}))
     expand = {"y_ptr": "*bf16", "res_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16", "D": i, "stride_yt": i, "stride_rt": i, "stride_rh": i}
     for fp32 in (True, False):  # V4.1's rounding, V4's
         out.append((f"mhc expand fp32={fp32}", mhc._expand_kernel, expand, {"HC": 4, "BLOCK_D": mhc.EXPAND_BLOCK_D, "FP32": fp32},
                     {"num_warps": 4, "enable_fp_fusion": False}))
-    fused = dict(expand, pre_ptr="*fp32", w_ptr="*bf16", h_ptr="*bf16", stride_ht=i, eps=f)
-    out.append(("mhc expand + collapse norm D=5120 (V4.1)", mhc._expand_collapse_kernel, fused, {"HC": 4, "BLOCK_D": 8192},
-                {"num_warps": 8, "enable_fp_fusion": False}))
+    fused = {"y_ptr": "*bf16:16", "res_ptr": "*bf16:16", "post_ptr": "*fp32:16", "comb_ptr": "*fp32:16", "pre_ptr": "*fp32:16", "out_ptr": "*bf16:16",
+             "h_ptr": "*bf16:16", "part_ptr": "*fp32:16", "D": a, "stride_yt": a, "stride_rt": a, "stride_rh": a, "stride_ht": a}
+    out.append(("mhc expand + collapse D=5120 (V4.1)", mhc._expand_collapse_kernel, fused, {"HC": 4, "BLOCK_D": mhc.COLLAPSE_BLOCK_D},
+                {"num_warps": 4, "enable_fp_fusion": False}))
     return out
 
 

@@ -370,11 +370,14 @@ def _ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("d", [72, 256])
-def test_hc_collapse_and_norm(d):
+@pytest.mark.parametrize("block_d", [1024, 32], ids=["one-slice", "slices"])
+def test_hc_collapse_and_norm(monkeypatch, d, block_d):
     """Collapse, and collapse + RMSNorm in both weight roundings (bf16 and fp32 weights),
     against the torch composition: rounding level (same roundings, summation order aside). The
     bf16-weight norm rounds twice, bf16(w * bf16(normed)): a one-ulp flip of bf16(normed) (its
-    rstd's sums in another order) is up to two ulps of the result."""
+    rstd's sums in another order) is up to two ulps of the result. Rows in one column slice
+    or in several (a partial one at d = 72), whose norm adds the slices' partial sums."""
+    monkeypatch.setattr(tmhc, "COLLAPSE_BLOCK_D", block_d)
     g = _gen(d)
     x = (torch.randn(40, 4, d, generator=g) * 3).bfloat16()
     pre, _, _ = _mixes_for(x, d)
@@ -416,10 +419,12 @@ def test_hc_expand(monkeypatch, fp32):
 
 
 @pytest.mark.parametrize("d", [72, 256])
-def test_hc_expand_collapse_norm_is_the_two_kernels(d):
-    """V4.1's expand and the next site's collapse + norm in one launch: the same bits as the
-    two kernels one after the other (streams and h), and the op's CPU path is the torch
-    composition; a row alone keeps its bits."""
+@pytest.mark.parametrize("block_d", [1024, 32], ids=["one-slice", "slices"])
+def test_hc_expand_collapse_norm_is_the_two_kernels(monkeypatch, d, block_d):
+    """V4.1's expand and the next site's collapse + norm in one pass over the streams: the
+    same bits as the two kernels one after the other (streams and h), and the op's CPU path is
+    the torch composition; a row alone keeps its bits; one column slice a row or several."""
+    monkeypatch.setattr(tmhc, "COLLAPSE_BLOCK_D", block_d)
     g = _gen(d + 1)
     t, hc = 9, 4
     residual = (torch.randn(t, hc, d, generator=g) * 2).bfloat16()

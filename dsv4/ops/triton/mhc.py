@@ -29,13 +29,15 @@ streams): x is [T, hc, D] bf16 (hc a power of two), every mix is fp32.
   modes end in the same epilogue code, whose per-row math never mixes rows and whose launch is
   the same for every T (the layout of its tile sets the order of its sums).
 * `hc_collapse` (and `hc_collapse_norm` = collapse then `rms_norm`): sum_k pre_k * x_k in fp32,
-  rounded to bf16 (then the RMSNorm of `ops.norm.rms_norm` with either weight rounding); one
-  program per row.
+  rounded to bf16 (then the RMSNorm of `ops.norm.rms_norm` with either weight rounding);
+  programs over (row, column slice of COLLAPSE_BLOCK_D), the norm a second launch over the same
+  slices from their partial sums of squares, added in slice order.
 * `hc_expand` (V4.1's fp32 variant): out_k = post_k * y + sum_j comb[j, k] * residual_j in
   fp32, rounded once; programs over (row, column tile).
 * `hc_expand_collapse_norm` (V4.1): the expand after a layer's attention and the collapse +
   norm of the FFN site's input (which V4.1 collapses with the attention site's `pre`) in one
-  launch, one program per row: the same operations as the two kernels.
+  launch over (row, column slice), then the same norm launch: the same operations as the two
+  kernels.
 
 Collapse, expand and the mixes epilogue are compiled without fp contraction: each product is
 rounded before it is added, in the reference's order, as torch computes them (in the epilogue,
@@ -55,7 +57,7 @@ import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import num_sms, sum_chunks
 from dsv4.ops.triton.pdl import begin, pdl_launch
-from dsv4.ops.triton.rowwise import norm_row
+from dsv4.ops.triton.rowwise import scale_row
 
 # GEMM tiling: rows per program (BLOCK_T, or MANY_BLOCK_T below; the rows are the MMA's M, so
 # a row's products and sums do not depend on how many rows share its program), K step, chunk (the unit of the split and of the fixed-order chunk sum; 80 chunks at
@@ -90,6 +92,13 @@ WIDE_BLOCK_N = 64
 SPLIT_MAX_BYTES = 384 << 20
 # Columns per program of `hc_expand`.
 EXPAND_BLOCK_D = 1024
+# Columns per program of the collapse kernels (`_collapse_kernel`, `_expand_collapse_kernel`,
+# `_norm_slices_kernel`): a row of D = 5120 in 5 programs. They ran one 8-warp program a row
+# (8192 lanes for 5120 values): at one row issue bound on one SM, the fused expand + collapse
+# ~3260 instructions a thread (sm_90 compile), 6.2 us at batch 1 on the H100 (S26-1 timeline).
+# Split, the norm needs the row's sum of squares from every slice: each slice writes its
+# partial, a second launch adds them in slice order (batch invariant) and normalises.
+COLLAPSE_BLOCK_D = 1024
 
 LOG2E = tl.constexpr(1.4426950216293335)  # fp32(log2(e)), exactly
 LOG2E_LO = tl.constexpr(1.92596298909109e-08)  # log2(e) - fp32(log2(e))
@@ -292,25 +301,63 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
 
 @triton.jit
 def _collapse_kernel(
-    x_ptr, pre_ptr, w_ptr, out_ptr,
-    D, stride_xt, stride_xh, stride_ot, eps,
-    HC: tl.constexpr, NORM: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, pre_ptr, out_ptr, part_ptr,
+    D, stride_xt, stride_xh, stride_ot,
+    HC: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One row: h = bf16(sum_k pre_k * x_k) (fp32 sum in stream order); with NORM, the RMSNorm
-    of h: stats in fp32, V4.1 rounds the normalised value to bf16 and multiplies by the bf16
-    weight there, V4 multiplies by the fp32 weight and rounds once."""
+    """Program (row, column slice): h = bf16(sum_k pre_k * x_k) (fp32 sum in stream order);
+    with NORM also the slice's sum of h^2 (of the rounded values) in part[row, slice], which
+    `_norm_slices_kernel` turns into the row's RMSNorm."""
     begin(PDL)
     t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = d < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in tl.static_range(HC):
         xk = tl.load(x_ptr + t * stride_xt + k * stride_xh + d, mask=ok, other=0.0).to(tl.float32)
         acc += tl.load(pre_ptr + t * HC + k) * xk
     h = acc.to(out_ptr.dtype.element_ty)
-    if NORM:
-        h = norm_row(h.to(tl.float32), tl.load(w_ptr + d, mask=ok, other=0.0), D, eps, WEIGHT_IN_FP32, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_ot + d, h, mask=ok)
+    if NORM:
+        hf = h.to(tl.float32)
+        tl.store(part_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(hf * hf, axis=0))
+
+
+@triton.jit
+def _norm_slices_kernel(
+    h_ptr, part_ptr, w_ptr, D, stride_ht, eps,
+    SLICES: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (row, column slice): the row's sum of squares from its slices' partials, added
+    in slice order (the same at every batch size), then the RMSNorm of the slice in place
+    (`rowwise.scale_row`: V4.1 rounds the normalised value before the bf16 weight multiply,
+    V4 multiplies by the fp32 weight and rounds once)."""
+    begin(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    total = tl.load(part_ptr + t * SLICES)
+    for i in tl.static_range(1, SLICES):
+        total += tl.load(part_ptr + t * SLICES + i)
+    rstd = tl.math.rsqrt(total / D + eps)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = d < D
+    h = tl.load(h_ptr + t * stride_ht + d, mask=ok, other=0.0).to(tl.float32)
+    out = scale_row(h, tl.load(w_ptr + d, mask=ok, other=0.0), rstd, WEIGHT_IN_FP32, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + t * stride_ht + d, out, mask=ok)
+
+
+def _slices(d: int) -> tuple[int, int]:
+    """(columns per program, programs per row) of the collapse kernels for rows of d values."""
+    block_d = min(COLLAPSE_BLOCK_D, triton.next_power_of_2(d))
+    return block_d, triton.cdiv(d, block_d)
+
+
+def _norm_slices(h: torch.Tensor, part: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> None:
+    """RMSNorm of h [T, D] in place from its slices' sums of squares part [T, slices]."""
+    block_d, slices = _slices(h.shape[1])
+    _norm_slices_kernel[(h.shape[0], slices)](
+        h, part, weight.contiguous(), h.shape[1], h.stride(0), eps, SLICES=slices, WEIGHT_IN_FP32=weight_in_fp32, BLOCK_D=block_d,
+        num_warps=4, enable_fp_fusion=False, **pdl_launch(h.device),
+    )
 
 
 def _collapse(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_in_fp32: bool) -> torch.Tensor:
@@ -320,12 +367,14 @@ def _collapse(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, e
         return out
     x = x.contiguous()
     pre = pre.contiguous()
-    block_d = triton.next_power_of_2(d)
-    _collapse_kernel[(t,)](
-        x, pre, weight if weight is not None else pre, out, d, x.stride(0), x.stride(1), out.stride(0), eps,
-        HC=hc, NORM=weight is not None, WEIGHT_IN_FP32=weight_in_fp32, BLOCK_D=block_d,
-        num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False, **pdl_launch(x.device),
+    block_d, slices = _slices(d)
+    part = torch.empty(t, slices, dtype=torch.float32, device=x.device)
+    _collapse_kernel[(t, slices)](
+        x, pre, out, part, d, x.stride(0), x.stride(1), out.stride(0),
+        HC=hc, NORM=weight is not None, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False, **pdl_launch(x.device),
     )
+    if weight is not None:
+        _norm_slices(out, part, weight, eps, weight_in_fp32)
     return out
 
 
@@ -390,38 +439,42 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
 
 @triton.jit
 def _expand_collapse_kernel(
-    y_ptr, res_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, out_ptr, h_ptr,
-    D, stride_yt, stride_rt, stride_rh, stride_ht, eps,
+    y_ptr, res_ptr, post_ptr, comb_ptr, pre_ptr, out_ptr, h_ptr, part_ptr,
+    D, stride_yt, stride_rt, stride_rh, stride_ht,
     HC: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One row: V4.1's expand (`_expand_kernel` FP32: out_k = post_k * y + sum_j comb[j, k] *
-    residual_j in fp32, rounded once), then the next site's input from those rounded streams
-    (`_collapse_kernel` NORM: h = bf16(sum_k pre_k * out_k), RMS-normed, V4.1's rounding) — the
-    same operations in the same order as the two kernels, without the streams' round trip
-    through memory between them. Each residual stream is read once per output stream (L1)."""
+    """Program (row, column slice): V4.1's expand (`_expand_kernel` FP32: out_k = post_k * y +
+    sum_j comb[j, k] * residual_j in fp32, rounded once), then the next site's input from
+    those rounded streams (`_collapse_kernel` NORM: h = bf16(sum_k pre_k * out_k) and the
+    slice's sum of h^2 for `_norm_slices_kernel`) — the same operations in the same order as
+    the two kernels, without the streams' round trip through memory between them."""
     begin(PDL)
     t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = d < D
     dtype = out_ptr.dtype.element_ty
     y = tl.load(y_ptr + t * stride_yt + d, mask=ok, other=0.0).to(tl.float32)
+    residual = ()  # each stream's slice, loaded and widened once
+    for j in tl.static_range(HC):
+        residual = residual + (tl.load(res_ptr + t * stride_rt + j * stride_rh + d, mask=ok, other=0.0).to(tl.float32),)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in tl.static_range(HC):
         mixed = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for j in tl.static_range(HC):
-            rj = tl.load(res_ptr + t * stride_rt + j * stride_rh + d, mask=ok, other=0.0).to(tl.float32)
-            mixed += tl.load(comb_ptr + t * HC * HC + j * HC + k) * rj
+            mixed += tl.load(comb_ptr + t * HC * HC + j * HC + k) * residual[j]
         out = (tl.load(post_ptr + t * HC + k) * y + mixed).to(dtype)
         tl.store(out_ptr + t * stride_rt + k * stride_rh + d, out, mask=ok)
         acc += tl.load(pre_ptr + t * HC + k) * out.to(tl.float32)
-    h = norm_row(acc.to(dtype).to(tl.float32), tl.load(w_ptr + d, mask=ok, other=0.0), D, eps, False, dtype)
+    h = acc.to(dtype)
     tl.store(h_ptr + t * stride_ht + d, h, mask=ok)
+    hf = h.to(tl.float32)
+    tl.store(part_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(hf * hf, axis=0))
 
 
 def hc_expand_collapse_norm(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                             weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`hc_expand(..., fp32=True)`, then `hc_collapse_norm` of its streams with `pre` (V4.1's
-    rounding), in one launch -> (streams [T, hc, D], h [T, D])."""
+    rounding), in two launches (the norm's over the row's slices) -> (streams [T, hc, D], h [T, D])."""
     t, hc, d = residual.shape
     residual = residual.contiguous()
     out = torch.empty_like(residual)
@@ -429,10 +482,12 @@ def hc_expand_collapse_norm(y: torch.Tensor, residual: torch.Tensor, post: torch
     if t == 0:
         return out, h
     y = y.contiguous()
-    block_d = triton.next_power_of_2(d)
-    _expand_collapse_kernel[(t,)](
-        y, residual, post.contiguous(), comb.contiguous(), pre.contiguous(), weight.contiguous(), out, h,
-        d, y.stride(0), residual.stride(0), residual.stride(1), h.stride(0), eps,
-        HC=hc, BLOCK_D=block_d, num_warps=8 if block_d >= 4096 else 4, enable_fp_fusion=False, **pdl_launch(y.device),
+    block_d, slices = _slices(d)
+    part = torch.empty(t, slices, dtype=torch.float32, device=y.device)
+    _expand_collapse_kernel[(t, slices)](
+        y, residual, post.contiguous(), comb.contiguous(), pre.contiguous(), out, h, part,
+        d, y.stride(0), residual.stride(0), residual.stride(1), h.stride(0),
+        HC=hc, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False, **pdl_launch(y.device),
     )
+    _norm_slices(h, part, weight, eps, False)
     return out, h

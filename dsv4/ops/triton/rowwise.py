@@ -31,7 +31,13 @@ def norm_row(h, w, n, eps, WEIGHT_IN_FP32: tl.constexpr, dtype: tl.constexpr):
     """RMSNorm of one row h (fp32, zero past its n values) in `dtype`: weight * (h *
     rsqrt(mean(h^2) + eps)), V4.1 rounding the normalised value to `dtype` before the weight
     multiply (WEIGHT_IN_FP32 False), V4 multiplying in fp32."""
-    rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    return scale_row(h, w, tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps), WEIGHT_IN_FP32, dtype)
+
+
+@triton.jit
+def scale_row(h, w, rstd, WEIGHT_IN_FP32: tl.constexpr, dtype: tl.constexpr):
+    """The last step of `norm_row` on values h (fp32) of a row whose rsqrt(mean(h^2) + eps) is
+    `rstd`: the weight and the rounding (one home for both, whoever found rstd)."""
     if WEIGHT_IN_FP32:
         return (w.to(tl.float32) * (h * rstd)).to(dtype)
     return (w.to(dtype).to(tl.float32) * (h * rstd).to(dtype).to(tl.float32)).to(dtype)
