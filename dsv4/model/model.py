@@ -162,11 +162,11 @@ class L2Ahead:
     interpreter and on the reference path."""
 
     def __init__(self, device: torch.device, enabled: bool):
-        if enabled:
+        if enabled and device.type == "cuda":  # (Triton is imported on CUDA only)
             from dsv4.ops.triton.pdl import compiled
 
             enabled = compiled(device)
-        self.aside = Aside(device, enabled)
+        self.aside = Aside(device, enabled and device.type == "cuda")
 
     def ahead(self, site: str, rows: int, tensors: list[torch.Tensor]) -> None:
         if self.aside.stream is None or rows > L2_AHEAD["max_rows"] or site not in L2_AHEAD["sites"]:

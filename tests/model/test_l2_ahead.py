@@ -1,36 +1,11 @@
-"""Weights asked of L2 ahead of their kernels (`model.L2Ahead`, `ops.triton.l2`): which
-weights each site names, how a budget cuts them, and that it is off where it cannot run. The
-prefetch itself changes no value (only timing, measured on the device: docs/PERF.md)."""
+"""Weights asked of L2 ahead of their kernels (`model.L2Ahead`): which weights each site
+names, and that it is off where it cannot run (the ranges a budget gives:
+tests/ops/test_l2_prefetch.py). The prefetch changes no value, only timing (docs/PERF.md)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 from dsv4.model import model as model_module
 from test_fast_path import FOLDER, GREEDY, golden_data, golden_llm
-
-l2 = pytest.importorskip("dsv4.ops.triton.l2")
-
-
-def test_ranges_take_the_budget_in_order():
-    a, b = torch.zeros(1000, dtype=torch.uint8), torch.zeros(64, 64, dtype=torch.bfloat16)
-    assert [(t is a, n) for t, n in l2.prefetch_ranges([a, b], 10 << 20)] == [(True, 992), (False, 8192)]  # 1000 cut to 16s
-    assert [(t is a, n) for t, n in l2.prefetch_ranges([a, b], 2000)] == [(True, 992), (False, 1008)]
-    assert [(t is a, n) for t, n in l2.prefetch_ranges([a, b], 500)] == [(True, 496)]  # the budget ends inside a
-    assert l2.prefetch_ranges([a, b], 15) == []
-
-
-def test_ranges_refuse_what_bulk_prefetch_cannot_take():
-    w = torch.zeros(64, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="not contiguous"):
-        l2.prefetch_ranges([w.t()], 1 << 20)
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        l2.prefetch_ranges([w.view(-1)[1:]], 1 << 20)
-    with pytest.raises(ValueError, match="at most two ranges"):
-        l2.prefetch_ranges([w, w, w], 1 << 20)
-    with pytest.raises(ValueError, match="compiled kernels on a CUDA device"):
-        l2.prefetch_l2([w], 1 << 20)
 
 
 def _same(tensors, expected) -> bool:
