@@ -1642,8 +1642,8 @@ IDX_SCORES_CONFIGS = [  # the default first
 IDX_TOPK_CONFIGS = [  # the default first
     {"BLOCK": 2048, "num_warps": 8},
     {"BLOCK": 2048, "num_warps": 8, "RESIDENT_MAX": 0},  # every pass re-reads the row (before session 26)
+    {"BLOCK": 2048, "num_warps": 8, "DIGIT_BITS": 8},  # the default before session 27 (5 since)
     {"BLOCK": 2048, "num_warps": 8, "DIGIT_BITS": 4},
-    {"BLOCK": 2048, "num_warps": 8, "DIGIT_BITS": 5},
     {"BLOCK": 2048, "num_warps": 8, "DIGIT_BITS": 6},
     {"BLOCK": 1024, "num_warps": 4},
     {"BLOCK": 2048, "num_warps": 8, "CHUNK": 8192},

@@ -354,9 +354,9 @@ def test_topk_naive_definition_on_short_rows():
 
 # the two ways a program reads its columns: kept in registers through the passes (RESIDENT_MAX
 # above the row), or re-read tile by tile each pass (0: never resident; BLOCK 1024 makes the
-# 2500-column rows 3 tiles, the last partial); and digits of other widths than 8 bits (5: a
-# 2-bit last pass)
-TOPK_READS = {"resident": {}, "streamed": {"RESIDENT_MAX": 0, "BLOCK": 1024}, "resident 5-bit": {"DIGIT_BITS": 5},
+# 2500-column rows 3 tiles, the last partial); and digits of other widths than the default 5
+# bits (whose last pass decides 2)
+TOPK_READS = {"resident": {}, "streamed": {"RESIDENT_MAX": 0, "BLOCK": 1024}, "resident 8-bit": {"DIGIT_BITS": 8},
               "streamed 4-bit": {"RESIDENT_MAX": 0, "BLOCK": 1024, "DIGIT_BITS": 4}}
 
 

@@ -92,11 +92,14 @@ BLOCK_MAX_CONFIG = {"TILE_BLOCKS": 128, "num_warps": 4, "PROGRAMS_PER_SM": 4}
 # within one wave (`topk_plan`): H100, S26-1, k 512, us: T=1 x 4096 30.7 -> 16.5, T=64 x 16K
 # in resident 8192-column chunks 80.2 -> 54.5, but T=64 x 64K (512 chunk programs) 129.7 ->
 # 137.8, and a resident merge after re-read 16K chunks 141.0.
-# DIGIT_BITS: bits a radix pass decides (8: 4 passes of 256-bin histograms). Triton's histogram
-# costs a ballot per digit bit and, per element slot, a popcount for each of the bins a lane
-# owns, so narrower digits (4-6) make each pass cheaper and add passes; in check_kernels'
-# top-k sweep, not yet timed on a device.
-TOPK_CONFIG = {"BLOCK": 2048, "num_warps": 8, "CHUNK": 16384, "CHUNK_PER_K": 8, "RESIDENT_MAX": 8192, "RESIDENT_COLS": 16, "DIGIT_BITS": 8}
+# DIGIT_BITS: bits a radix pass decides (5: 7 passes of 32-bin histograms, the last of 2 bits).
+# Triton's histogram costs a ballot per digit bit and, per element slot, a popcount for each of
+# the bins a lane owns, so narrower digits make each pass cheaper and add passes. check_kernels
+# top-k sweep (H100, S27, k 512, us, 8 / 4 / 5 / 6 bits; every result exact): T=1 x 4096 16.4 /
+# 15.0 / 13.4 / 15.6; T=1 x 16K 51.7 / 45.6 / 40.2 / 46.6; T=64 x 16K 53.5 / 50.0 / 42.9 / 46.3;
+# T=64 x 64K 128.7 / 120.4 / 110.7 / 109.6; T=1 x 512K 138.1 / 122.4 / 109.5 / 115.2; a 4096-row
+# prefill call 1361 / 1218 / 1114 / 1088.
+TOPK_CONFIG = {"BLOCK": 2048, "num_warps": 8, "CHUNK": 16384, "CHUNK_PER_K": 8, "RESIDENT_MAX": 8192, "RESIDENT_COLS": 16, "DIGIT_BITS": 5}
 
 
 def _fail(op: str, name: str, expected: str, got) -> None:
