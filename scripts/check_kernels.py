@@ -2876,10 +2876,6 @@ def indexer_compile_targets() -> list[tuple]:
                             {"num_warps": tiles["num_warps"]}))
     pool = {"cand_ptr": "*i32:16", "visible_ptr": "*i64:16", "out_ptr": "*i32:16", "n": i, "stride_ct": i, "stride_ot": i}
     out.append(("pool_entries block=8", indexer._pool_entries_kernel, pool, {"BLOCK": 8, "TILE": indexer.POOL_TILE}, {"num_warps": 4}))
-    from dsv4.ops.triton import l2
-
-    prefetch = {"a_ptr": "*fp8e4nv:16", "a_bytes": i, "b_ptr": "*fp8e4nv:16", "b_bytes": i}
-    out.append(("l2 prefetch", l2._prefetch_kernel, prefetch, {"PIECE": l2.PIECE, "PIECES": l2.PIECES_PER_PROGRAM}, {"num_warps": 4}))
     return out
 
 

@@ -99,11 +99,6 @@ class Carry:
 MIXES_ASIDE = True
 ENGRAM_ASIDE = True
 COMPRESSOR_ASIDE = True
-# Weights asked of L2 ahead of the streaming kernel that reads them (`L2Ahead`): on steps of at
-# most max_rows rows, at most budget bytes a stretch, at the sites named ("out": wo_a, wo_b
-# during attention; "shared": the shared expert's gate_up during the FFN site and the router;
-# "next": the next layer's wq_a + wkv and wq_b during the MoE's tail and the next input site)
-L2_AHEAD = {"enabled": False, "max_rows": 64, "budget": 32 << 20, "sites": ("out", "shared", "next")}
 
 
 class Aside:
@@ -152,30 +147,6 @@ class Aside:
         self.pending = False
 
 
-class L2Ahead:
-    """At small batches a layer alternates weight-streaming kernels with stretches of
-    latency-bound ones (attention at a few rows, the mHC sites, the router) during which HBM
-    idles. At the start of such a stretch a side stream asks L2 for the first `budget` bytes of
-    the weights the stretch's next streaming kernel reads (`ops.triton.l2.prefetch_l2`: bulk
-    prefetches, no SM time while the lines arrive), so that kernel finds them there. An `Aside`
-    of its own, joined at the end of each piece; only timing changes. Off on CPU, in the
-    interpreter and on the reference path."""
-
-    def __init__(self, device: torch.device, enabled: bool):
-        if enabled and device.type == "cuda":  # (Triton is imported on CUDA only)
-            from dsv4.ops.triton.pdl import compiled
-
-            enabled = compiled(device)
-        self.aside = Aside(device, enabled and device.type == "cuda")
-
-    def ahead(self, site: str, rows: int, tensors: list[torch.Tensor]) -> None:
-        if self.aside.stream is None or rows > L2_AHEAD["max_rows"] or site not in L2_AHEAD["sites"]:
-            return
-        from dsv4.ops.triton.l2 import prefetch_l2
-
-        self.aside.start(prefetch_l2, tensors, L2_AHEAD["budget"])
-
-
 class Model:
     """`fast_path`: None picks the fast path on CUDA in bf16 when the config allows it
     (`fast_path_unsupported`), the reference path otherwise; True / False force one (True on
@@ -199,7 +170,6 @@ class Model:
         self.aside = Aside(self.device, MIXES_ASIDE and side)  # the mixes
         self.engram_aside = Aside(self.device, ENGRAM_ASIDE and side)
         self.compressor_aside = Aside(self.device, COMPRESSOR_ASIDE and fast_path and self.device.type == "cuda")
-        self.l2 = L2Ahead(self.device, L2_AHEAD["enabled"] and fast_path)
         self.rope = RopeTables(cfg, dtype, self.device)
         self.embed = weights["embed.weight"]
         self.head = weights["head.weight"]
@@ -245,7 +215,6 @@ class Model:
         self.aside.forget()
         self.engram_aside.forget()
         self.compressor_aside.forget()
-        self.l2.aside.forget()
         rows = step.enc
         return self._encode(step.input_ids, rows.req, rows.local, rows.positions, step.prev_tokens, _FastRows(step, cache), None, None)
 
@@ -257,7 +226,6 @@ class Model:
         self.aside.forget()  # (the encoder piece joined its own)
         self.engram_aside.forget()
         self.compressor_aside.forget()
-        self.l2.aside.forget()
         rows = _FastRows(step, cache)
         shared = dict(carry.shared)  # the split replaces the selections by the kept rows': not in the caller's carry
         keep = rows.split(shared) if self.split_at < len(self.blocks) else None
@@ -292,7 +260,6 @@ class Model:
         self.aside.join()  # the split layer's attention mixes (the decoder piece reads them)
         self.engram_aside.join()  # (each value was read at its layer: a no-op, so no capture ends with side work unjoined)
         self.compressor_aside.join()  # the split layer's (its attention runs in the decoder piece)
-        self.l2.aside.join()  # (prefetches only: nothing waits on them but the capture's end)
         return carry
 
     def _engram_hashes(self, hashes: torch.Tensor, block: Block) -> torch.Tensor:
@@ -305,7 +272,6 @@ class Model:
             if i > 0:
                 self._block_in(block, carry, rows, capture, self._input_with_expand(block))
             self._block_out(block, carry, rows, trace, decoder[i + 1] if i + 1 < len(decoder) else None)
-        self.l2.aside.join()
         want = rows.final()
         streams = carry.streams[want]
         if capture is not None:
@@ -350,15 +316,8 @@ class Model:
     def _block_out(self, block: Block, carry: Carry, rows, trace, next_block: Block | None) -> None:
         """The rest of a layer: attention, the FFN site, MoE (and, `_input_with_expand`, the
         next layer's attention input in carry.h)."""
-        n = carry.h.shape[0]
-
-        def queries_done():  # the compressor's entries are read next; the output projection streams after attention
-            self.compressor_aside.join()
-            self.l2.ahead("out", n, [block.attn.wo_a.weight, block.attn.wo_b.weight])
-
         with section("attention"):
-            y = rows.attend(block.attn, carry.h, carry.shared, queries_done)
-        self.l2.ahead("shared", n, [block.ffn.shared_gate_up()])
+            y = rows.attend(block.attn, carry.h, carry.shared, self.compressor_aside.join)
         with section("mhc"):
             self.aside.join()
             if self.v41:  # the FFN site collapses with the attention site's pre: one launch with the expand
@@ -371,8 +330,6 @@ class Model:
                 h = block.collapse_norm(streams, f_pre, block.ffn_norm)
         with section("moe"):
             y = block.ffn(h, carry.ids, trace, f"L{block.role.index}")
-        if next_block is not None:
-            self.l2.ahead("next", n, next_block.attn.input_weights())
         with section("mhc"):
             self.aside.join()
             if next_block is not None and self._input_with_expand(next_block):
@@ -399,8 +356,8 @@ class _ReferenceRows:
     def compress(self, attn: Attention, h: torch.Tensor) -> None:
         attn.compress(h, self.segs, self.batch, self.cache)
 
-    def attend(self, attn: Attention, h: torch.Tensor, shared: dict, queries_done) -> torch.Tensor:
-        queries_done()
+    def attend(self, attn: Attention, h: torch.Tensor, shared: dict, compressed_ready) -> torch.Tensor:
+        compressed_ready()
         return attn(h, self.segs, self.batch, self.cache, shared)
 
     def split(self, shared: dict) -> torch.Tensor:
@@ -443,8 +400,8 @@ class _FastRows:
     def compress(self, attn: Attention, h: torch.Tensor) -> None:
         attn.compress_fast(h, self.rows, self.step, self.cache)
 
-    def attend(self, attn: Attention, h: torch.Tensor, shared: dict, queries_done) -> torch.Tensor:
-        return attn.forward_fast(h, self.rows, self.step, self.cache, shared, queries_done)
+    def attend(self, attn: Attention, h: torch.Tensor, shared: dict, compressed_ready) -> torch.Tensor:
+        return attn.forward_fast(h, self.rows, self.step, self.cache, shared, compressed_ready)
 
     def split(self, shared: dict) -> torch.Tensor | None:
         self.rows = self.step.dec

@@ -593,10 +593,9 @@ class Attention:
             blocks = index_ops.block_max(scores, visible, cbs)
             shared["cand"] = index_ops.topk_ascending(blocks, (visible + cbs - 1) // cbs, min(cfg.candidate_topk_blocks, blocks.shape[1]))
 
-    def forward_fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict, queries_done=lambda: None) -> torch.Tensor:
-        """`queries_done()`: called once the queries are projected, before the first read of
-        the compressed cache (the layer's compressor may still run on a side stream until then;
-        the model also starts the output projection's weights toward L2 there)."""
+    def forward_fast(self, x: torch.Tensor, rows: Rows, step: Step, cache: KVCacheStorage, shared: dict, compressed_ready=lambda: None) -> torch.Tensor:
+        """`compressed_ready()`: called before the first read of the compressed cache (the
+        layer's compressor may still run on a side stream while the queries are projected)."""
         cfg, role = self.cfg, self.role
         h, hd = cfg.num_heads, cfg.head_dim
         cos, sin = rows.derived(("rope", role.rope), lambda: self.rope.cos_sin(rows.positions, role.rope))
@@ -615,7 +614,7 @@ class Attention:
             q = head_norm(q, cfg.rms_norm_eps)
         # the indexer's queries RoPE'd too and rounded as its keys are stored (QAT: FP4)
         attention_ops.rope_queries_(q, cos, sin, idx_q, idx_cos, idx_sin, cache.idx.get(role.kv_source) if idx_q is not None else None)
-        queries_done()
+        compressed_ready()
         if role.runs_indexer:
             with section("indexer"):
                 self.select_fast(x, idx_q, rows, step, cache, shared)
@@ -633,11 +632,6 @@ class Attention:
         )
         kvops.store_rows(ring, "window", kv, (rows.slot, rows.ring_pos), rows.ring_keep)  # after attention: queries read the old ring
         return self.project_out(apply_rope_(out, cos, sin, inverse=True))
-
-    def input_weights(self) -> list[torch.Tensor]:
-        """The weights of the layer's first two projections (wq_a + wkv, then wq_b with the
-        indexer's when stacked), in the order the fast path reads them."""
-        return [self.wq_a_kv.weight, (self.wq_b_idx or self.wq_b).weight]
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """The grouped low-rank output projection: heads [R, H, D] in o_groups groups, each

@@ -85,13 +85,6 @@ class MoE:
         if self.s1 is not None:  # a shared expert apart from the routed ones: w1 and w3 (one input) as one GEMM, they are views of it
             self.s13, (self.s1, self.s3) = stack_rows([self.s1, self.s3])
 
-    def shared_gate_up(self) -> torch.Tensor:
-        """The shared expert's gate_up weight (its w1 and w3 rows, one tensor), which every
-        token reads whatever the routing."""
-        if self.shared_grouped is not None:
-            return self.shared_grouped[0][0]
-        return self.grouped[0][-1] if self.shared_in_grouped else self.s13.weight
-
     def _unstacked(self) -> tuple[list, list, list]:
         """Per-expert views (w1, w2, w3) of the stacked GPU weights, the shared expert last when
         the kernels take it (the per-expert torch path, for activations other than bf16)."""
