@@ -97,7 +97,8 @@ EXPAND_BLOCK_D = 1024
 # (8192 lanes for 5120 values): at one row issue bound on one SM, the fused expand + collapse
 # ~3260 instructions a thread (sm_90 compile), 6.2 us at batch 1 on the H100 (S26-1 timeline).
 # Split, the norm needs the row's sum of squares from every slice: each slice writes its
-# partial, a second launch adds them in slice order (batch invariant) and normalises.
+# partial, a second launch adds them in slice order (batch invariant) and normalises. S27-3
+# (H100, batch 1): 2.6 us + 1.45 us for the norm; steps level at decode, p8k -2% (docs/PERF.md).
 COLLAPSE_BLOCK_D = 1024
 
 LOG2E = tl.constexpr(1.4426950216293335)  # fp32(log2(e)), exactly
@@ -368,7 +369,7 @@ def _collapse(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, e
     x = x.contiguous()
     pre = pre.contiguous()
     block_d, slices = _slices(d)
-    part = torch.empty(t, slices, dtype=torch.float32, device=x.device)
+    part = torch.empty(t, slices, dtype=torch.float32, device=x.device) if weight is not None else pre  # (unread without a norm)
     _collapse_kernel[(t, slices)](
         x, pre, out, part, d, x.stride(0), x.stride(1), out.stride(0),
         HC=hc, NORM=weight is not None, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False, **pdl_launch(x.device),
