@@ -25,6 +25,13 @@ mkdir -p devdata/golden && tar xzf devdata/golden.tgz -C devdata/golden  # (scri
 
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 
+# Why a timed run printed no table: its exit status (124: its timeout; a call's first process
+# compiles every kernel, >100 s on a fresh machine, S27-1)
+exit_said() {  # exit_said RC WHAT LIMIT
+  [ "$1" = 0 ] && return
+  echo "$2: exit $1$([ "$1" = 124 ] && echo " (timed out after $3 s; the first process compiles every kernel: give it ~200 s)")" | tee -a "$LOG"
+}
+
 # `dsv4 bench forward` under `timeout $1` with the rest as arguments, under the KNOBS (below,
 # the kernels step adds MoE byte reads when the real-shape MoE check fails on this GPU).
 bench() {
@@ -93,6 +100,7 @@ if want bench; then
   bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
     --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward.json" ${BENCH_FLAGS:---no-baseline} $CASES 2>&1 \
     | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -45
+  exit_said "${PIPESTATUS[0]}" bench "${BENCH_TIMEOUT:-300}"
 fi
 if want bench_v4; then  # V4-Flash's real layer dimensions (8 of 43 layers: the 2 window layers, CSA/HCA pairs)
   echo "=== bench_v4" | tee -a "$LOG"
@@ -114,7 +122,8 @@ if want ab; then  # A/B: the same cases under other kernel knobs, one run per va
     echo "=== ab $i (${variants[$i]})" | tee -a "$LOG"
     (eval "export ${variants[$i]}"; bench "${BENCH_TIMEOUT:-300}" --config v41 --num-layers 8 --num-experts 64 --device cuda \
       --dtype bfloat16 --warmup 2 --iters 5 --json "$OUT/forward_ab$i.json" --no-baseline ${AB_FLAGS:-} ${AB_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768} 2>&1 \
-      | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -30)
+      | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -30
+     exit_said "${PIPESTATUS[0]}" "ab $i" "${BENCH_TIMEOUT:-300}")
   done
 fi
 if want kernels_ab; then  # kernel A/B: check_kernels' `defaults` section once per AB_ENV variant; AB_TREE: the tree whose

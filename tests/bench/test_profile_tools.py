@@ -170,3 +170,19 @@ def test_device_run_kernels_ab_runs_each_trees_defaults_section(tmp_path):
     runs = [line for line in (out / "log.txt").read_text().splitlines() if line.startswith("attention_sweep")]
     args = "['--sections', 'defaults', '--budget', '5']"
     assert runs == [f"attention_sweep old {args} kernels_ab0", f"attention_sweep new {args} kernels_ab1"], runs
+
+
+def test_device_run_says_why_a_timed_run_printed_no_table(tmp_path):
+    """device_run.sh's `exit_said`: nothing after a run that exited 0; otherwise the exit
+    status, and for a timeout (124) the limit and why a first run may need more (it compiles
+    every kernel) — in the output and the call's log."""
+    script = (REPO / "scripts" / "device_run.sh").read_text()
+    start = script.index("exit_said() {")
+    function = script[start : script.index("\n}\n", start) + 3]
+    log = tmp_path / "log.txt"
+    calls = "exit_said 0 'ab 0' 100\nexit_said 124 'ab 1' 100\nexit_said 1 bench 300\n"
+    out = subprocess.run(["bash", "-c", f"LOG={log}\n" + function + calls], capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = out.splitlines()
+    assert len(lines) == 2 and lines[1] == "bench: exit 1", out
+    assert lines[0].startswith("ab 1: exit 124 (timed out after 100 s;") and "compiles every kernel" in lines[0], out
+    assert log.read_text() == out
