@@ -28,7 +28,7 @@ the largest width and replayed with any lengths, doing work in proportion to the
   block forced to +inf.
 * `topk_ascending` — radix select on the order-preserving uint32 image of each score, one
   program per row looping over its columns: passes of `TOPK_CONFIG["DIGIT_BITS"]`-bit digits
-  (4 of 8 bits; `tl.histogram` of the columns still matching the digits chosen so far) find
+  (7 of 5 bits, the last of 2; `tl.histogram` of the columns still matching the digits chosen so far) find
   the k-th largest key; one ordered compaction pass (`tl.cumsum`) then emits, in ascending
   column order, every column above it and the first columns equal to it — which is the
   lower-column tie rule and the ascending output at once. Rows of at most k columns skip the
@@ -84,8 +84,9 @@ BLOCK_MAX_CONFIG = {"TILE_BLOCKS": 128, "num_warps": 4, "PROGRAMS_PER_SM": 4}
 # 0.202 -> 0.140 against 1024 at 4 warps.
 # RESIDENT_MAX: programs that select among at most this many columns read them once into
 # registers (one tile, at most RESIDENT_COLS a thread: 16 warps at 8192) instead of once per
-# radix pass and again to compact: at one row, 5 reads one after another (each an L2 round
-# trip) per 2048-column tile, 20 for d1_8k's 8192 entries. 0: never. Each column a thread holds
+# radix pass and again to compact: at one row, with the 8-bit digits then measured, 5 reads one
+# after another (each an L2 round trip) per 2048-column tile, 20 for d1_8k's 8192 entries (8 and
+# 32 at 5-bit digits). 0: never. Each column a thread holds
 # takes about 7 registers (the compaction's scans), so (sm_90 compile, Triton 3.6) 8192 columns at
 # 16 warps take 104-128 registers and spill 32 bytes at stage 1 only; 32 a thread took 226-255,
 # and 16384 at 32 warps spilled up to 376 bytes. At one program an SM (16 warps) they only pay
