@@ -261,10 +261,10 @@ def fp8_linear_case(name: str, m: int, w: torch.Tensor, s: torch.Tensor, wd: tor
 
 
 def dequant_words_case() -> None:
-    """Every e4m3 code under every scale byte 1 .. 254 through the word dequantisers
-    (`dequant_word_step`: a scale per 32 inputs; `dequant_words`: one per row): code x
-    2**(byte - 127) rounded to bf16 (exact but where it overflows, as the reference does);
-    compiled PTX only, the interpreter never runs them."""
+    """Every e4m3 code under every scale byte the loader lets the FP8 kernels take (1 ..
+    `quant.FP8_MAX_SCALE_BYTE`) through the word dequantisers (`dequant_word_step`: a scale
+    per 32 inputs; `dequant_words`: one per row): code x 2**(byte - 127) rounded to bf16, as
+    the reference does; compiled PTX only, the interpreter never runs them."""
     import triton
     import triton.language as tl
 
@@ -281,7 +281,9 @@ def dequant_words_case() -> None:
         tl.store(row_ptr + out, fp8_gemm.dequant_words(words, sb))
 
     codes = torch.arange(256, dtype=torch.uint8, device="cuda")
-    scales = torch.arange(1, 255, dtype=torch.uint8, device="cuda")
+    from dsv4.model import quant
+
+    scales = torch.arange(quant.FP8_MIN_SCALE_BYTE, quant.FP8_MAX_SCALE_BYTE + 1, dtype=torch.uint8, device="cuda")
     step = torch.empty(len(scales), 256, dtype=torch.bfloat16, device="cuda")
     row = torch.empty_like(step)
     kernel[(len(scales),)](codes, scales, step, row)
@@ -290,7 +292,7 @@ def dequant_words_case() -> None:
     finite = ~values.isnan()
     for label, got in (("dequant_word_step", step), ("dequant_words", row)):
         wrong = int((got[:, finite].view(torch.int16) != ref[:, finite].view(torch.int16)).sum())
-        record("fp8_dequant", "256 codes x scale bytes 1..254", label, ok=wrong == 0, same_bits=wrong == 0, wrong=wrong)
+        record("fp8_dequant", f"256 codes x scale bytes {int(scales[0])}..{int(scales[-1])}", label, ok=wrong == 0, same_bits=wrong == 0, wrong=wrong)
 
 
 def section_fp8_linear() -> None:

@@ -173,6 +173,25 @@ def dequant_fp4_kernel_layout(stored: torch.Tensor, scale: torch.Tensor) -> torc
     return fp4_lut(codes.device)[codes.long()] * e8m0_to_float(scale, validate=False).repeat_interleave(32, dim=1)
 
 
+# The FP8 weight kernels (`fp8_gemm.dequant_word_step` / `dequant_words`) turn a code into its
+# bf16 value with one multiply by 2**(byte - 7): the code's bit pattern reads as its value
+# times 2**-120, and 2**120 x the scale is folded into one factor, which is a finite bf16 up to
+# byte 134 (2**127; scale 2**7). Byte 0 (2**-127) is excluded too, so that every path of every
+# kernel reads the same values (the byte paths read it as 0). Real scales sit near 2**-8
+# (bytes ~105 .. 127: the reference quantiser's amax floor of 1e-4 gives at least 2**-22).
+FP8_MIN_SCALE_BYTE = 1
+FP8_MAX_SCALE_BYTE = 134
+
+
+def check_fp8_scales(scale: torch.Tensor, name: str) -> None:
+    """FP8 weights kept compact for the kernels: exponent bytes in [FP8_MIN_SCALE_BYTE,
+    FP8_MAX_SCALE_BYTE] (above)."""
+    raw = e8m0_bytes(scale)
+    if bool(((raw < FP8_MIN_SCALE_BYTE) | (raw > FP8_MAX_SCALE_BYTE)).any()):
+        raise FormatError(f"{name}: an FP8 weight scale outside 2**{FP8_MIN_SCALE_BYTE - 127} .. 2**{FP8_MAX_SCALE_BYTE - 127} "
+                          "is outside what the FP8 kernels take")
+
+
 def check_fp4_scales(scale: torch.Tensor, name: str) -> None:
     """Compact FP4 experts: exponent bytes up to FP4_MAX_SCALE_BYTE (above)."""
     if bool((e8m0_bytes(scale) > FP4_MAX_SCALE_BYTE).any()):

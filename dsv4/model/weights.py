@@ -14,10 +14,11 @@ Decoded forms (MODEL.md section 4, golden/README.md "Weight storage"):
   I64 / I32 (`tid2eid`) become int64.
 * FP8 dense `X.weight` + `X.scale`: dequantised exactly (`fp8 * 2**(e - 127)` per
   `weight_block_size` tile, in fp32, then cast to `dtype`), no `X.scale` entry; with
-  `compact=True` the float8_e4m3fn codes and the uint8 exponent bytes are kept as stored.
+  `compact=True` the float8_e4m3fn codes and the uint8 exponent bytes are kept as stored
+  (bytes in the FP8 kernels' range, `quant.check_fp8_scales`).
 * FP4 routed experts: dequantised to `dtype` [out, in]; with `compact=True` converted
-  losslessly to FP8 (float8_e4m3fn [out, in] + uint8 exponents [out, in/32]) for the FP8
-  expert kernels, or with `cfg.fp4_experts` kept FP4 in the kernels' nibble order (uint8
+  losslessly to FP8 (float8_e4m3fn [out, in] + uint8 exponents [out, in/32], checked as
+  above) for the FP8 expert kernels, or with `cfg.fp4_experts` kept FP4 in the kernels' nibble order (uint8
   [out, in/2], `quant.fp4_kernel_layout`) + the same exponents.
 * Engram tables (`layers.L.engram.embed.weight` / `.scale`): always kept compact (FP8 rows +
   uint8 exponents per 32 channels): the model gathers a few rows per token and dequantises
@@ -288,6 +289,8 @@ def _decode(
     scale_name = f"{base}.scale"
     if spec.fmt == ENGRAM or (compact and spec.fmt == FP8):
         _check_scale_bytes(scale, scale_name)
+        if spec.fmt == FP8:  # (engram rows are read by their own kernel, which takes any byte)
+            quant.check_fp8_scales(scale, scale_name)
         return {name: weight, scale_name: quant.e8m0_bytes(scale)}
     if spec.fmt == FP8:
         return {name: quant.dequant_fp8_block(weight, scale, cfg.weight_block_size, base).to(dtype)}
@@ -298,6 +301,7 @@ def _decode(
         return {name: quant.fp4_kernel_layout(weight), scale_name: quant.e8m0_bytes(scale)}
     if compact:
         _check_scale_bytes(scale, scale_name)
+        quant.check_fp8_scales(scale, scale_name)
         codes, exps = quant.fp4_expert_to_fp8(weight, scale)
         return {name: codes, scale_name: exps}
     return {name: quant.dequant_fp4_expert(weight, scale, base).to(dtype)}

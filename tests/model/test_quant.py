@@ -13,6 +13,17 @@ def test_e8m0_values_and_nan_rejected():
         quant.e8m0_to_float(torch.tensor([127, 255], dtype=torch.uint8), "w.scale")
 
 
+def test_fp8_scale_bytes_outside_the_kernels_range_are_named():
+    """The FP8 weight kernels fold 2**120 into the scale (`fp8_gemm._folded_scale_pair`): bytes
+    1 .. FP8_MAX_SCALE_BYTE pass, byte 0 and anything above are refused with the tensor named."""
+    edges = [quant.FP8_MIN_SCALE_BYTE, 120, quant.FP8_MAX_SCALE_BYTE]
+    quant.check_fp8_scales(torch.tensor([edges], dtype=torch.uint8), "w.scale")
+    quant.check_fp8_scales(torch.tensor([edges], dtype=torch.uint8).view(torch.float8_e8m0fnu), "w.scale")
+    for bad in (0, quant.FP8_MAX_SCALE_BYTE + 1, 254):
+        with pytest.raises(quant.FormatError, match=r"^layers\.0\.attn\.wkv\.scale: an FP8 weight scale outside"):
+            quant.check_fp8_scales(torch.tensor([[120, bad]], dtype=torch.uint8), "layers.0.attn.wkv.scale")
+
+
 def test_fp4_unpack_low_nibble_is_even_column():
     # byte 0x21: low nibble 1 (0.5) is column 0, high nibble 2 (1.0) column 1
     # byte 0xF8: low nibble 8 (-0), high nibble 15 (-6)

@@ -278,6 +278,27 @@ def test_nan_scale_byte_is_named(raw_v4, raw_v41, tmp_path, golden_set, scale, c
         _load(folder, compact=compact)
 
 
+@pytest.mark.parametrize(
+    "golden_set,scale",
+    [
+        ("v41-tiny-a-nofp8kv", "layers.0.attn.wkv.scale"),  # a dense FP8 weight kept for the kernels
+        ("v41-tiny-a-nofp8kv", "layers.4.ffn.experts.1.w2.scale"),  # an FP4 expert converted to FP8
+    ],
+)
+def test_fp8_kernel_scale_range_is_checked_when_kept_compact(raw_v4, raw_v41, tmp_path, golden_set, scale):
+    """Compact FP8 weights go to kernels that take scale bytes 1 .. FP8_MAX_SCALE_BYTE
+    (`quant.check_fp8_scales`): one byte above is refused, the scale named; dequantised
+    in torch (not compact) the same checkpoint loads."""
+    tensors = dict(raw_v41)
+    raw = tensors[scale].view(torch.uint8).clone()
+    raw.view(-1)[-1] = quant.FP8_MAX_SCALE_BYTE + 1
+    tensors[scale] = raw.view(torch.float8_e8m0fnu)
+    folder = _write(tmp_path / "big", golden_set, tensors)
+    with pytest.raises(CheckpointError, match=re.escape(f"{scale}: an FP8 weight scale outside")):
+        _load(folder, compact=True)
+    assert _load(folder).tensors
+
+
 def test_partial_draft_stage(raw_v4, tmp_path):
     tensors = {n: t for n, t in raw_v4.items() if n != "mtp.0.e_proj.weight"}
     folder = _write(tmp_path / "mtp", "v4-tiny-a", tensors)

@@ -121,8 +121,7 @@ def fp8_quantise(x):
 # makes it exact. (NaN codes 0x7F / 0xFF come out as +-480; checkpoints hold none.) Triton's
 # own cast takes three conversion-unit instructions per two values (e4m3x2 -> f16x2, then
 # f16 -> bf16 one by one), which at 16 conversions per SM and clock is slower than HBM.
-_E4M3_PERMUTE_PTX = """.reg .b32 lo, hi, k;
-mov.b32 k, 0x7B807B80;
+_E4M3_PERMUTE_PTX = """.reg .b32 lo, hi;
 prmt.b32 lo, $2, 0, 0x9180;
 prmt.b32 hi, $2, 0, 0xB3A2;
 shl.b32 lo, lo, 4;
@@ -130,7 +129,8 @@ shl.b32 hi, hi, 4;
 and.b32 lo, lo, 0x87F087F0;
 and.b32 hi, hi, 0x87F087F0;
 """
-_E4M3_TO_BF16_PTX = tl.constexpr("{\n" + _E4M3_PERMUTE_PTX + "mul.rn.bf16x2 $0, lo, k;\nmul.rn.bf16x2 $1, hi, k;\n}")
+_E4M3_TO_BF16_PTX = tl.constexpr("{\n" + _E4M3_PERMUTE_PTX + ".reg .b32 k;\nmov.b32 k, 0x7B807B80;\n"
+                                 "mul.rn.bf16x2 $0, lo, k;\nmul.rn.bf16x2 $1, hi, k;\n}")
 # "ptx": the permute above; "fp32": Triton's casts through fp32 (the interpreter's path, whose
 # bf16 arithmetic is not IEEE; on the GPU a slower reference). Same bf16 values either way.
 FP8_CONVERT = "ptx"
@@ -163,22 +163,34 @@ def _bf16_from_pairs(pairs):
     return tl.reshape(tl.join(even, odd), (pairs.shape[0], 2 * pairs.shape[1]))
 
 
+# The permute's pairs times a factor pair ($3, the same bf16 in both halves) that is 2**120 x
+# the block scale, 2**(byte - 7) (`_folded_scale_pair`): one multiply a pair instead of two.
+# The pattern (the value times 2**-120) is exact, so its one rounded product by 2**(byte - 7)
+# is the bf16 of value x scale, as the two multiplies gave. Two bf16x2 multiplies a word fewer
+# in every FP8 weight kernel's K step (sm_90 compile of the batch-1 projection's loop: 330 ->
+# 298 instructions). The weight kernels' dequantisation (`dequant_word_step`,
+# `dequant_words`); bytes 1 .. `quant.FP8_MAX_SCALE_BYTE`, which the loader checks.
+_E4M3_TO_BF16_SCALED_PTX = tl.constexpr("{\n" + _E4M3_PERMUTE_PTX + "mul.rn.bf16x2 $0, lo, $3;\nmul.rn.bf16x2 $1, hi, $3;\n}")
+
+
+@triton.jit
+def _folded_scale_pair(sb):
+    """int32 bits of the bf16 pair 2**(sb - 7), both halves: 2**120 (the permute's factor)
+    times the block scale 2**(sb - 127), for exponent bytes 1 .. quant.FP8_MAX_SCALE_BYTE."""
+    f = sb + 120
+    return (f << 7) | (f << 23)
+
+
 @triton.jit
 def dequant_words(words, scale_byte):
     """int32 [R, C] (4 e4m3 codes each, the first in the low byte) times 2**(scale_byte - 127)
-    per row (int32 [R]) -> bf16 [R, 4C] in input order: `dequant_rows`' permute and
-    multiplies on whole words (each word's two results split into bf16 halves and interleaved
-    back into input order), so the same exact values."""
-    lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_PTX, "=r,=r,r", [words], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    w16 = _bf16_from_pairs(tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1])))
-    scale = (scale_byte << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return w16 * scale[:, None]
-
-
-# `_E4M3_TO_BF16_PTX` with a second multiply by a scale pair ($3: a power-of-two bf16 in both
-# halves): the dequantised pairs of `dequant_word_step`, whose words have their own scales.
-_E4M3_TO_BF16_SCALED_PTX = tl.constexpr("{\n" + _E4M3_PERMUTE_PTX + "mul.rn.bf16x2 lo, lo, k;\nmul.rn.bf16x2 hi, hi, k;\n"
-                                         "mul.rn.bf16x2 $0, lo, $3;\nmul.rn.bf16x2 $1, hi, $3;\n}")
+    per row (int32 [R], bytes 1 .. `quant.FP8_MAX_SCALE_BYTE`) -> bf16 [R, 4C] in input order:
+    `dequant_rows`' permute on whole words with the scale folded into its multiply
+    (`_E4M3_TO_BF16_SCALED_PTX`; each word's two results split into bf16 halves and
+    interleaved back into input order), so the same exact values."""
+    lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_SCALED_PTX, "=r,=r,r,r", [words, _folded_scale_pair(scale_byte)[:, None]],
+                                       dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    return _bf16_from_pairs(tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1])))
 
 
 @triton.jit
@@ -199,12 +211,12 @@ def dequant_word_step(words, scale_word, k0, BLOCK_K: tl.constexpr):
     """int32 [R, BLOCK_K / 4] (the words of a whole K step at k0: BLOCK_K 64 or 128, inside
     one 128-input scale word) times each 32-input piece's scale from the rows' scale words
     (int32 [R], byte i for inputs 32i .. 32i + 31 of the 128) -> bf16 [R, BLOCK_K] in input
-    order: `dequant_words` over several pieces at once (the same permute and two exact
-    multiplies per pair, so the same values), for one MMA chain per K step instead of one per
+    order: `dequant_words` over several pieces at once (the same permute and folded multiply,
+    so the same values), for one MMA chain per K step instead of one per
     piece (a quarter of the shared-memory barriers of the bf16 tile's round trip)."""
     sb = step_scale_bytes(scale_word, k0, BLOCK_K, 4)
-    pair = (sb << 7) | (sb << 23)  # the bf16 bits of 2**(sb - 127) in both halves (dequant_words' scale)
-    lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_SCALED_PTX, "=r,=r,r,r", [words, pair], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    lo, hi = tl.inline_asm_elementwise(_E4M3_TO_BF16_SCALED_PTX, "=r,=r,r,r", [words, _folded_scale_pair(sb)], dtype=(tl.int32, tl.int32),
+                                       is_pure=True, pack=1)
     return _bf16_from_pairs(tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1])))
 
 
