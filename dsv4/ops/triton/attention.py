@@ -276,6 +276,17 @@ def _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, 
     """Channel pairs p0 .. p0 + NP of the window keys at positions kpos, as `_fp4_pairs`: the
     ring's keys below the step's first position (FP8 codes, or bf16 values if RING_RAW), this
     step's keys from there on."""
+    ring, ring_scale, words = _window_loads(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, NP, WINDOW, DIM, RING_RAW)
+    return _window_decode(ring, ring_scale, words, par, NP, BLOCK_N, BOTH, RING_RAW)
+
+
+@triton.jit
+def _window_loads(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0,
+                  NP: tl.constexpr, WINDOW: tl.constexpr, DIM: tl.constexpr, RING_RAW: tl.constexpr):
+    """The loads of `_window_pairs`, not yet decoded (`_window_decode`): the ring's codes as
+    int32 [BLOCK_N, NP / 16, 16] (two e4m3 codes each) and their scale bytes [BLOCK_N, NP / 16],
+    or its bf16 words if RING_RAW (then the scales are the words again, unused), and this
+    step's keys as int32 words; each key's ring or kv_new load masked to 0."""
     PAIRS: tl.constexpr = RING_SCALE_BLOCK // 2
     in_ring = valid & (kpos < start)
     in_new = valid & (kpos >= start)
@@ -283,24 +294,31 @@ def _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, 
     pair = p0 + g[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
     ring_row = slot * WINDOW + tl.where(valid, kpos, 0) % WINDOW
     if RING_RAW:  # bf16 values: int32 words of two channels, as kv_new's
-        ring_words = tl.load(ring_ptr.to(tl.pointer_type(tl.int32)) + ring_row[:, None, None] * (DIM // 2) + pair, mask=in_ring[:, None, None], other=0)
+        ring = tl.load(ring_ptr.to(tl.pointer_type(tl.int32)) + ring_row[:, None, None] * (DIM // 2) + pair, mask=in_ring[:, None, None], other=0)
+        ring_scale = ring
     else:
-        codes = tl.load(ring_ptr.to(tl.pointer_type(tl.uint16)) + ring_row[:, None, None] * (DIM // 2) + pair, mask=in_ring[:, None, None], other=0).to(tl.int32)
-        scale = tl.load(ring_scale_ptr + ring_row[:, None] * (DIM // RING_SCALE_BLOCK) + p0 // PAIRS + g[None, :], mask=in_ring[:, None], other=0)
-        scale = e8m0_to_fp32(scale)[:, :, None]
+        ring = tl.load(ring_ptr.to(tl.pointer_type(tl.uint16)) + ring_row[:, None, None] * (DIM // 2) + pair, mask=in_ring[:, None, None], other=0).to(tl.int32)
+        ring_scale = tl.load(ring_scale_ptr + ring_row[:, None] * (DIM // RING_SCALE_BLOCK) + p0 // PAIRS + g[None, :], mask=in_ring[:, None], other=0)
     new_row = row0 + tl.where(in_new, kpos - start, 0)
     words = tl.load(kv_new_ptr.to(tl.pointer_type(tl.int32)) + new_row[:, None, None] * (stride_kv // 2) + pair, mask=in_new[:, None, None], other=0)
+    return ring, ring_scale, words
+
+
+@triton.jit
+def _window_decode(ring, ring_scale, words, par, NP: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, RING_RAW: tl.constexpr):
+    """`_window_pairs` of its loads (`_window_loads`)."""
     # each key's ring or kv_new load is masked to 0, so | (bf16 words) and + (values) merge the
     # two exactly. if / else, not an early return: the compiler would still build the FP8 code
-    # after one, which needs `codes`
+    # after one, which needs the codes
     if RING_RAW:
-        return _bf16_halves(tl.reshape(words | ring_words, (BLOCK_N, NP)), par, BOTH)
+        return _bf16_halves(tl.reshape(words | ring, (BLOCK_N, NP)), par, BOTH)
     else:
+        scale = e8m0_to_fp32(ring_scale)[:, :, None]
         if BOTH:
-            lo = _fp8_code(codes) * scale + (words << 16).to(tl.float32, bitcast=True)
-            hi = _fp8_code(codes >> 8) * scale + (words & -65536).to(tl.float32, bitcast=True)
+            lo = _fp8_code(ring) * scale + (words << 16).to(tl.float32, bitcast=True)
+            hi = _fp8_code(ring >> 8) * scale + (words & -65536).to(tl.float32, bitcast=True)
             return tl.reshape(lo, (BLOCK_N, NP)).to(tl.bfloat16), tl.reshape(hi, (BLOCK_N, NP)).to(tl.bfloat16)
-        v = _fp8_code(codes >> (8 * par)) * scale + ((words >> (16 * par)) << 16).to(tl.float32, bitcast=True)
+        v = _fp8_code(ring >> (8 * par)) * scale + ((words >> (16 * par)) << 16).to(tl.float32, bitcast=True)
         v = tl.reshape(v, (BLOCK_N, NP)).to(tl.bfloat16)
         return v, v
 
@@ -411,7 +429,14 @@ def _logits_kernel(
     """Program (token, head block, run of tiles_per_program logits tiles). DENSE: the
     compressed keys from the dense copy (dense_rows rows per request). RING_RAW / CKV_RAW: the
     ring / the compressed KV hold bf16 values (no scales). PTX: FP4 entries decoded by
-    `_fp4_ptx` (compiled CUDA; the interpreter takes the fp32 form, the same values)."""
+    `_fp4_ptx` (compiled CUDA; the interpreter takes the fp32 form, the same values).
+
+    Outside DENSE a tile's keys come in pieces of PIECE channel pairs, each loaded, decoded
+    (through shared memory where the layouts differ: barriers) and multiplied in turn; the loads
+    of piece c + 1 are issued before piece c is decoded. Loaded where it is decoded, every piece
+    waited for a global load after the barriers of the one before: a tile's eight pieces paid
+    eight load latencies one after another (sm_90 SASS: each piece's loads issued after the
+    previous piece's wgmma), the bulk of a decode call's ~15 us (H100 timeline, S26)."""
     begin(PDL)
     tok = tl.program_id(0).to(tl.int64)
     req = tl.load(token_req_ptr + tok)
@@ -446,11 +471,17 @@ def _logits_kernel(
                 q_lo_c, q_hi_c = _q_piece(q_words, c, PIECE, h_ok)
                 s_t = tl.dot(k_lo, q_lo_c, s_t)
                 s_t = tl.dot(k_hi, q_hi_c, s_t)
-        else:
+        else:  # pieces loaded one ahead (docstring)
+            ring, ring_scale, words = _window_loads(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, 0, PIECE, WINDOW, DIM, RING_RAW)
             for c in tl.static_range(N_PIECES):
-                k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True, RING_RAW)
+                if c + 1 < N_PIECES:
+                    next_ring, next_scale, next_words = _window_loads(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot,
+                                                                      (c + 1) * PIECE, PIECE, WINDOW, DIM, RING_RAW)
+                k_lo, k_hi = _window_decode(ring, ring_scale, words, 0, PIECE, BLOCK_N, True, RING_RAW)
                 s_t = tl.dot(k_lo, q_lo[c], s_t)
                 s_t = tl.dot(k_hi, q_hi[c], s_t)
+                if c + 1 < N_PIECES:
+                    ring, ring_scale, words = next_ring, next_scale, next_words
         _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, idx, idx < WINDOW, tok, tile, n_tiles, heads, h_ok, H, n_keys)
     for tile in range(tl.maximum(lo, w_tiles), hi):
         c_idx = (tile - w_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -477,14 +508,25 @@ def _logits_kernel(
                     GROUPS: tl.constexpr = PIECE // (CKV_SCALE_BLOCK // 2)
                     scales = tl.reshape(_fp4_scales(ckv_scale_ptr, loc, valid, 0, DIM // CKV_SCALE_BLOCK, DIM), (BLOCK_N, N_PIECES, GROUPS))
                     which = tl.arange(0, N_PIECES)[None, :, None]
+                # pieces loaded one ahead (docstring)
+                if CKV_RAW:
+                    piece = _bf16_words(ckv_ptr, loc, valid, 0, PIECE, DIM)
+                else:
+                    piece = _fp4_bytes(ckv_ptr, loc, valid, 0, PIECE, DIM)
                 for c in tl.static_range(N_PIECES):
+                    if c + 1 < N_PIECES:
+                        if CKV_RAW:
+                            next_piece = _bf16_words(ckv_ptr, loc, valid, (c + 1) * PIECE, PIECE, DIM)
+                        else:
+                            next_piece = _fp4_bytes(ckv_ptr, loc, valid, (c + 1) * PIECE, PIECE, DIM)
                     if CKV_RAW:
-                        k_lo, k_hi = _bf16_pairs(ckv_ptr, loc, valid, c * PIECE, 0, PIECE, DIM, True)
+                        k_lo, k_hi = _bf16_halves(piece, 0, True)
                     else:
-                        scale = tl.sum(tl.where(which == c, scales, 0.0), axis=1)
-                        k_lo, k_hi = _fp4_pairs(ckv_ptr, scale, loc, valid, c * PIECE, 0, PIECE, DIM, BLOCK_N, True, PTX)
+                        k_lo, k_hi = _fp4_decode(piece, tl.sum(tl.where(which == c, scales, 0.0), axis=1), 0, PIECE, BLOCK_N, True, PTX)
                     s_t = tl.dot(k_lo, q_lo[c], s_t)
                     s_t = tl.dot(k_hi, q_hi[c], s_t)
+                    if c + 1 < N_PIECES:
+                        piece = next_piece
             _logit_tile(s_t, s_ptr, stat_ptr, sm_scale, valid, WINDOW + c_idx, c_idx < n_top, tok, tile, n_tiles, heads, h_ok, H, n_keys)
         else:
             _empty_tile(stat_ptr, tok, tile, n_tiles, heads, h_ok, H)
