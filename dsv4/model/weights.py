@@ -18,8 +18,8 @@ Decoded forms (MODEL.md section 4, golden/README.md "Weight storage"):
   (bytes in the FP8 kernels' range, `quant.check_fp8_scales`).
 * FP4 routed experts: dequantised to `dtype` [out, in]; with `compact=True` converted
   losslessly to FP8 (float8_e4m3fn [out, in] + uint8 exponents [out, in/32], checked as
-  above) for the FP8 expert kernels, or with `cfg.fp4_experts` kept FP4 in the kernels' nibble order (uint8
-  [out, in/2], `quant.fp4_kernel_layout`) + the same exponents.
+  above) for the FP8 expert kernels, or with `cfg.fp4_experts` kept FP4 in the kernels'
+  nibble order (uint8 [out, in/2], `quant.fp4_kernel_layout`) + the same exponents.
 * Engram tables (`layers.L.engram.embed.weight` / `.scale`): always kept compact (FP8 rows +
   uint8 exponents per 32 channels): the model gathers a few rows per token and dequantises
   only those; the released tables are about 92 GiB each.

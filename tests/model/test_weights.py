@@ -279,13 +279,13 @@ def test_nan_scale_byte_is_named(raw_v4, raw_v41, tmp_path, golden_set, scale, c
 
 
 @pytest.mark.parametrize(
-    "golden_set,scale",
+    "scale",
     [
-        ("v41-tiny-a-nofp8kv", "layers.0.attn.wkv.scale"),  # a dense FP8 weight kept for the kernels
-        ("v41-tiny-a-nofp8kv", "layers.4.ffn.experts.1.w2.scale"),  # an FP4 expert converted to FP8
+        "layers.0.attn.wkv.scale",  # a dense FP8 weight kept for the kernels
+        "layers.4.ffn.experts.1.w2.scale",  # an FP4 expert converted to FP8
     ],
 )
-def test_fp8_kernel_scale_range_is_checked_when_kept_compact(raw_v4, raw_v41, tmp_path, golden_set, scale):
+def test_fp8_kernel_scale_range_is_checked_when_kept_compact(raw_v41, tmp_path, scale):
     """Compact FP8 weights go to kernels that take scale bytes 1 .. FP8_MAX_SCALE_BYTE
     (`quant.check_fp8_scales`): one byte above is refused, the scale named; dequantised
     in torch (not compact) the same checkpoint loads."""
@@ -293,7 +293,7 @@ def test_fp8_kernel_scale_range_is_checked_when_kept_compact(raw_v4, raw_v41, tm
     raw = tensors[scale].view(torch.uint8).clone()
     raw.view(-1)[-1] = quant.FP8_MAX_SCALE_BYTE + 1
     tensors[scale] = raw.view(torch.float8_e8m0fnu)
-    folder = _write(tmp_path / "big", golden_set, tensors)
+    folder = _write(tmp_path / "big", "v41-tiny-a-nofp8kv", tensors)
     with pytest.raises(CheckpointError, match=re.escape(f"{scale}: an FP8 weight scale outside")):
         _load(folder, compact=True)
     assert _load(folder).tensors

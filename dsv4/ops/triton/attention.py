@@ -436,7 +436,8 @@ def _logits_kernel(
     of piece c + 1 are issued before piece c is decoded. Loaded where it is decoded, every piece
     waited for a global load after the barriers of the one before: a tile's eight pieces paid
     eight load latencies one after another (sm_90 SASS: each piece's loads issued after the
-    previous piece's wgmma), the bulk of a decode call's ~15 us (H100 timeline, S26)."""
+    previous piece's wgmma). On the H200 that took d1_8k's step 1.3% (~4 us of each of its 8
+    logits calls, now ~14 us; docs/PERF.md, twenty-eighth session)."""
     begin(PDL)
     tok = tl.program_id(0).to(tl.int64)
     req = tl.load(token_req_ptr + tok)

@@ -40,7 +40,9 @@ changes the bits).
 
 Scale bytes are turned into 2**(byte - 127) by building the fp32 bits, which is exact for the
 bytes a checkpoint holds (1..254); byte 0 (2**-127, a subnormal) reads as 0 and 0xFF (NaN) as
-inf — the loader rejects 0xFF (`quant.FormatError`), the kernels do not check.
+inf — the loader rejects 0xFF (`quant.FormatError`), the kernels do not check. The word
+dequantisers fold the scale into one bf16 factor, finite for bytes up to 134: the loader keeps
+compact FP8 weights' bytes in 1 .. 134 (`quant.check_fp8_scales`).
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def _bf16_from_pairs(pairs):
 # The pattern (the value times 2**-120) is exact, so its one rounded product by 2**(byte - 7)
 # is the bf16 of value x scale, as the two multiplies gave. Two bf16x2 multiplies a word fewer
 # in every FP8 weight kernel's K step (sm_90 compile of the batch-1 projection's loop: 330 ->
-# 298 instructions). The weight kernels' dequantisation (`dequant_word_step`,
+# 299 instructions). The weight kernels' dequantisation (`dequant_word_step`,
 # `dequant_words`); bytes 1 .. `quant.FP8_MAX_SCALE_BYTE`, which the loader checks.
 _E4M3_TO_BF16_SCALED_PTX = tl.constexpr("{\n" + _E4M3_PERMUTE_PTX + "mul.rn.bf16x2 $0, lo, $3;\nmul.rn.bf16x2 $1, hi, $3;\n}")
 
