@@ -109,6 +109,16 @@ def timeline_summary(entries: list[dict]) -> dict:
             "lead_us": start - entries[0]["start_us"]}
 
 
+def per_call(entries: list[dict]) -> dict[str, list[float]]:
+    """A `timeline`'s durations by kernel name, call by call in start order: one layer's call
+    next to the others' (on the H200, S28-6: every d1_8k logits call ~14 us, window and CSA
+    layers alike, PV 5.5 us on window layers and 12 on CSA ones), which the totals hide."""
+    calls: dict[str, list[float]] = {}
+    for e in entries:
+        calls.setdefault(e["name"], []).append(e["us"])
+    return calls
+
+
 # aten ops that only make views or read metadata: no kernel
 _NO_KERNEL = {"detach", "view", "_unsafe_view", "t", "expand", "slice", "select", "unsqueeze", "squeeze", "split",
               "split_with_sizes", "alias", "transpose", "unbind", "reshape", "permute", "as_strided", "lift_fresh",
@@ -199,8 +209,11 @@ def main() -> int:
             summary = doc[case.name]["timeline_summary"] = timeline_summary(doc[case.name]["timeline"])
         print(f"\n== {case.text}{' (PDL)' if args.pdl else ' (no PDL)'}: step {doc[case.name]['step_ms']:.3f} ms (floor {floor:.3f}), GPU span {table['span_us'] / 1e3:.3f} ms, "
               f"kernels {table['kernel_us'] / 1e3:.3f} ms, {sum(k['calls'] for k in table['kernels']):.0f} launches")
+        calls = per_call(doc[case.name]["timeline"]) if args.timeline else {}
         for k in table["kernels"][: args.top]:
             print(f"  {k['us']:9.1f} us {100 * k['us'] / table['kernel_us']:5.1f}% {k['calls']:6.1f}x  {k['name'][:110]}")
+            if len(calls.get(k["name"], ())) > 1:  # the replay's calls, in order
+                print("               calls: " + " ".join(f"{us:.1f}" for us in calls[k["name"]][:40]))
         if args.timeline:
             print(f"  one replay: {summary['kernels']} kernels over {summary['span_us']:.1f} us from the first, their durations "
                   f"{summary['busy_us']:.1f} us ({summary['beside_us']:.1f} beside other kernels), idle gaps {summary['gaps_us']:.1f} us; "

@@ -117,6 +117,14 @@ def test_timeline_summary_counts_from_the_first_kernel():
         profile_step.timeline_summary(timeline[:1])
 
 
+def test_per_call_keeps_each_kernels_calls_in_start_order():
+    def entry(name, us):
+        return {"name": name, "stream": 7, "start_us": 0.0, "us": us, "gap_us": 0.0}
+
+    timeline = [entry("_logits", 15.0), entry("_pv", 5.5), entry("_logits", 13.7), entry("_pv", 12.0), entry("_logits", 14.1)]
+    assert profile_step.per_call(timeline) == {"_logits": [15.0, 13.7, 14.1], "_pv": [5.5, 12.0]}
+
+
 def _fake_tree(root: Path, name: str) -> None:
     """A package `dsv4` under root whose `cli.main` prints `name` and its arguments."""
     (root / "dsv4").mkdir(parents=True)
