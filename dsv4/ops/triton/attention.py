@@ -264,12 +264,6 @@ def _bf16_words(ptr, row, valid, p0, NP: tl.constexpr, DIM: tl.constexpr):
 
 
 @triton.jit
-def _bf16_pairs(ptr, row, valid, p0, par, NP: tl.constexpr, DIM: tl.constexpr, BOTH: tl.constexpr):
-    """`_bf16_words` split into their halves, as `_fp4_pairs`."""
-    return _bf16_halves(_bf16_words(ptr, row, valid, p0, NP, DIM), par, BOTH)
-
-
-@triton.jit
 def _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, par,
                   NP: tl.constexpr, WINDOW: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr,
                   RING_RAW: tl.constexpr):
