@@ -2596,9 +2596,11 @@ def compile_targets() -> list[tuple]:
 
     route = {"part_ptr": "*fp32:16", "bias_ptr": "*fp32:16", "weights_ptr": "*fp32:16", "ids_ptr": "*i64:16", "E": "i32", "stride_part": "i32", "stride_l": "i32",
              "temp": f, "scale": f, "extra_id": "i32"}
-    for e, chunks in ((64, 1), (384, mhc.fp32_chunks(5120)[1])):
-        out.append((f"router E={e} chunks={chunks}", router._route_kernel, route,
-                    {"CHUNKS": chunks, "TOP_K": 6, "NORMALIZE": True, "EXTRA": True, "E_BLOCK": triton.next_power_of_2(e), "K_BLOCK": 8}, {"num_warps": 4 if e > 256 else 1}))
+    per, chunks_5120 = mhc.fp32_chunks(5120)
+    for e, chunks, steps in ((64, 1, 1), (384, chunks_5120, 1), (64, chunks_5120, per), (384, chunks_5120, per)):  # (steps: step parts)
+        out.append((f"router E={e} chunks={chunks} steps={steps}", router._route_kernel, route,
+                    {"CHUNKS": chunks, "STEPS": steps, "TOP_K": 6, "NORMALIZE": True, "EXTRA": True, "E_BLOCK": triton.next_power_of_2(e), "K_BLOCK": 8},
+                    {"num_warps": 4 if e > 256 else 1}))
     route_v4 = {"logit_ptr": "*bf16:16", "bias_ptr": "*fp32:16", "fixed_ptr": "*i64:16", "weights_ptr": "*fp32:16", "ids_ptr": "*i64:16", "E": "i32",
                 "stride_l": "i32", "stride_fixed": "i32", "scale": f, "extra_id": "i32"}
     for fixed in (False, True):  # V4: learned and hash-routed layers, 256 experts
@@ -2805,9 +2807,13 @@ def mhc_compile_targets() -> list[tuple]:
     cfg = mhc.CONFIG
     gemm = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "T": i, "N": i, "K": i, "stride_x": i, "stride_w": i, "stride_part": i, "stride_row": i,
             "K_STEPS": i, "CHUNK_STEPS": i, "CHUNKS_PER_PROGRAM": i}
-    out = [(f"fp32 gemm {label}", mhc._fp32_gemm_kernel, gemm, {"SUMSQ": sumsq, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": n, "BLOCK_K": cfg["BLOCK_K"]},
-            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}) for label, sumsq, n in (("mhc mixes", True, 32), ("router split", False, mhc.SPLIT_BLOCK_N), ("wide", False, mhc.WIDE_BLOCK_N))]
-    out += [(f"fp32 gemm {label} many rows", mhc._fp32_gemm_kernel, gemm, {"SUMSQ": sumsq, "BLOCK_T": cfg["MANY_BLOCK_T"], "BLOCK_N": mhc.SPLIT_BLOCK_N, "BLOCK_K": cfg["BLOCK_K"]},
+    out = [(f"fp32 gemm {label}", mhc._fp32_gemm_kernel, gemm,
+            {"SUMSQ": sumsq, "STEP_PARTS": steps, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": n, "BLOCK_K": cfg["BLOCK_K"]},
+            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+           for label, sumsq, n, steps in (("mhc mixes", True, 32, False), ("router split", False, mhc.SPLIT_BLOCK_N, False),
+                                          ("router step parts", False, mhc.SPLIT_BLOCK_N, True), ("wide", False, mhc.WIDE_BLOCK_N, False))]
+    out += [(f"fp32 gemm {label} many rows", mhc._fp32_gemm_kernel, gemm,
+             {"SUMSQ": sumsq, "STEP_PARTS": False, "BLOCK_T": cfg["MANY_BLOCK_T"], "BLOCK_N": mhc.SPLIT_BLOCK_N, "BLOCK_K": cfg["BLOCK_K"]},
              {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}) for label, sumsq in (("mhc mixes", True), ("router split", False))]
     for label, dst, chunks in (("fp32 gemm", "*fp32", mhc.fp32_chunks(5120)[1]), ("w8a16 bf16", "*bf16", 20)):
         out.append((f"{label} chunk sum", fp8_gemm._sum_chunks_kernel, {"part_ptr": "*fp32", "out_ptr": dst, "T": i, "N": i, "stride_part": i, "stride_row": i, "stride_out": i},

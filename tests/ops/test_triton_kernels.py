@@ -1331,6 +1331,33 @@ def test_route_scores_rows_do_not_depend_on_batch(monkeypatch):
         assert all(torch.equal(a[0], b[i]) for a, b in zip(alone, batch))
 
 
+def test_route_scores_step_parts_give_the_chunk_parts_bits(monkeypatch):
+    """Few tokens run the gate GEMM one program per K step (`mhc.fp32_gemm_step_parts`) and
+    the routing adds the step products chunk by chunk (`mhc.add_step_parts`): the bits of the
+    chunk partials. Token 0's steps 0 .. 3 (chunks 0 and 1, two steps each) give 1e8, g,
+    -1e8, g per expert (g = j / 8, below half an ulp of 1e8): added chunk by chunk both g are
+    lost, added in one run the second survives — so the test sees the grouping and the order."""
+    from dsv4.ops.triton import mhc as tmhc
+    from dsv4.ops.triton import router
+
+    monkeypatch.setitem(tmhc.CONFIG, "CHUNK", 128)  # 2 steps of BLOCK_K 64 a chunk, 3 chunks
+    x, gate, bias = _router_case(5, 64, 384, seed=9)
+    x[0, :256] = 0
+    x[0, [0, 64, 128, 192]] = 1
+    g = torch.arange(64) / 8
+    gate[:, 0], gate[:, 64], gate[:, 128], gate[:, 192] = 1e8, g, -1e8, g
+    x, gate, bias = x.to(DEVICE), gate.to(DEVICE), bias.to(DEVICE)
+    part, steps = tmhc.fp32_gemm_step_parts(x, gate)
+    assert part.shape[0] == 6 and steps == 2
+    monkeypatch.setattr(router, "STEP_PARTS_MAX_ROWS", 0)
+    want = router.route_scores(x, gate, bias, 6, 1.7, 2.5, True, 64)
+    monkeypatch.setattr(router, "STEP_PARTS_MAX_ROWS", 16)
+    got = router.route_scores(x, gate, bias, 6, 1.7, 2.5, True, 64)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="whole chunks"):
+        tmhc.fp32_gemm_step_parts(x[:, :320], gate[:, :320].contiguous())
+
+
 def test_route_scores_breaks_ties_by_lowest_id_and_rejects_bad_inputs():
     from dsv4.ops.triton import router
 

@@ -125,50 +125,70 @@ def _fp32_gemm_kernel(
     x_ptr, w_ptr, part_ptr,
     T, N, K, stride_x, stride_w, stride_part, stride_row,
     K_STEPS, CHUNK_STEPS, CHUNKS_PER_PROGRAM,
-    SUMSQ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    SUMSQ: tl.constexpr, STEP_PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """part[pid_c, rows, cols] = sum over this program's chunks of x @ w^T for the column block
     pid_n; SUMSQ: column N holds sum x^2 instead.
 
-    Each chunk's sum starts from zero and is added to the running total, in chunk order."""
+    Each chunk's sum starts from zero and is added to the running total, in chunk order.
+    STEP_PARTS: program pid_c runs K step pid_c alone and stores its product, which the
+    consumer adds up as a chunk would (`add_step_parts`): the same fp32 additions in the same
+    order, so the same bits, with one step's latency a program instead of a chunk's."""
     begin(PDL)
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     t_ok = rt < T
-    n_ok = rn < N
     x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + rn[:, None] * stride_w
-    total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    first = pid_c * CHUNKS_PER_PROGRAM
-    for chunk in range(first, first + CHUNKS_PER_PROGRAM):
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for step in range(chunk * CHUNK_STEPS, tl.minimum(chunk * CHUNK_STEPS + CHUNK_STEPS, K_STEPS)):
-            k = step * BLOCK_K + rk
-            k_ok = k < K
-            x = tl.load(x_rows + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            hi = w.to(tl.bfloat16)
-            rest = w - hi.to(tl.float32)
-            mid = rest.to(tl.bfloat16)
-            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-            # The step's product starts from zero, smallest part first, and joins acc by an
-            # fp32 add: the tensor cores truncate each MMA's sum at the accumulator's
-            # magnitude, so chaining acc through them would bias every chunk toward zero.
-            prod = tl.dot(x, tl.trans(lo))
-            prod = tl.dot(x, tl.trans(mid), prod)
-            acc += tl.dot(x, tl.trans(hi), prod)
-            if SUMSQ:
-                xf = x.to(tl.float32)
-                sq += tl.sum(xf * xf, axis=1)
+    if STEP_PARTS:
+        total, sq = _fp32_step(x_rows, w_rows, pid_c, t_ok, rn < N, K, SUMSQ, BLOCK_K)
         if SUMSQ:
-            acc = tl.where(rn[None, :] == N, sq[:, None], acc)
-        total += acc
+            total = tl.where(rn[None, :] == N, sq[:, None], total)
+    else:
+        total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        first = pid_c * CHUNKS_PER_PROGRAM
+        for chunk in range(first, first + CHUNKS_PER_PROGRAM):
+            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for step in range(chunk * CHUNK_STEPS, tl.minimum(chunk * CHUNK_STEPS + CHUNK_STEPS, K_STEPS)):
+                prod, step_sq = _fp32_step(x_rows, w_rows, step, t_ok, rn < N, K, SUMSQ, BLOCK_K)
+                acc += prod
+                if SUMSQ:
+                    sq += step_sq
+            if SUMSQ:
+                acc = tl.where(rn[None, :] == N, sq[:, None], acc)
+            total += acc
     out = part_ptr + pid_c * stride_part + rt.to(tl.int64)[:, None] * stride_row + rn[None, :]
     tl.store(out, total, mask=t_ok[:, None])
+
+
+@triton.jit
+def _fp32_step(x_rows, w_rows, step, t_ok, n_ok, K, SUMSQ: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of `_fp32_gemm_kernel`: (x @ w^T over inputs step * BLOCK_K .., the rows'
+    sum of x^2 there (SUMSQ; else 0))."""
+    k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    x = tl.load(x_rows + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    hi = w.to(tl.bfloat16)
+    rest = w - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    # The step's product starts from zero, smallest part first, and joins the chunk's sum by
+    # an fp32 add (the caller's): the tensor cores truncate each MMA's sum at the
+    # accumulator's magnitude, so chaining the sum through them would bias every chunk toward
+    # zero.
+    prod = tl.dot(x, tl.trans(lo))
+    prod = tl.dot(x, tl.trans(mid), prod)
+    prod = tl.dot(x, tl.trans(hi), prod)
+    sq = tl.zeros((x.shape[0],), dtype=tl.float32)
+    if SUMSQ:
+        xf = x.to(tl.float32)
+        sq = tl.sum(xf * xf, axis=1)
+    return prod, sq
 
 
 def fp32_chunks(k: int) -> tuple[int, int]:
@@ -202,9 +222,49 @@ def fp32_gemm_parts(x2: torch.Tensor, w: torch.Tensor, sumsq: bool) -> torch.Ten
         _fp32_gemm_kernel[(tiles, split, cols // block_n)](
             x2, w, part, t, n, k, x2.stride(0), w.stride(0), t * cols, cols,
             triton.cdiv(k, CONFIG["BLOCK_K"]), per, chunks // split,
-            SUMSQ=sumsq, BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"], **pdl_launch(x2.device),
+            SUMSQ=sumsq, STEP_PARTS=False, BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"],
+            num_stages=CONFIG["num_stages"], **pdl_launch(x2.device),
         )
     return part
+
+
+def fp32_gemm_step_parts(x2: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`fp32_gemm_parts` one program per K step (few rows: V4.1's router at decode), for K in
+    whole chunks: -> (fp32 [K steps, T, cols], the steps of a chunk); the consumer adds each
+    chunk's step products in order from zero and the chunk sums in order (`add_step_parts`),
+    the additions of `_fp32_gemm_kernel`, so the same bits as `fp32_gemm_parts`. A chunk's
+    steps ran one after another in one program: the latency of CHUNK / BLOCK_K dependent
+    loads and MMA chains, where here every program runs one."""
+    t, k = x2.shape
+    n = w.shape[0]
+    per, chunks = fp32_chunks(k)
+    steps = triton.cdiv(k, CONFIG["BLOCK_K"])
+    if steps != per * chunks:
+        raise ValueError(f"fp32_gemm_step_parts: {k} inputs are not whole chunks of {CONFIG['CHUNK']}")
+    cols = max(32, triton.next_power_of_2(n))
+    bt = CONFIG["BLOCK_T"]
+    part = torch.empty(steps, t, cols, dtype=torch.float32, device=x2.device)
+    if t:
+        _fp32_gemm_kernel[(triton.cdiv(t, bt), steps, cols // SPLIT_BLOCK_N)](
+            x2, w, part, t, n, k, x2.stride(0), w.stride(0), t * cols, cols, steps, per, 1,
+            SUMSQ=False, STEP_PARTS=True, BLOCK_T=bt, BLOCK_N=SPLIT_BLOCK_N, BLOCK_K=CONFIG["BLOCK_K"], num_warps=CONFIG["num_warps"],
+            num_stages=CONFIG["num_stages"], **pdl_launch(x2.device),
+        )
+    return part, per
+
+
+@triton.jit
+def add_step_parts(ptrs, stride_part, mask, CHUNKS: tl.constexpr, STEPS: tl.constexpr):
+    """The sum of partials ptrs + i * stride_part (i < CHUNKS * STEPS; masked loads read 0) as
+    `_fp32_gemm_kernel` adds them: STEPS step products a chunk, from zero and in order, then
+    the chunk sums in order (STEPS 1: chunk sums, or one total)."""
+    total = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):  # unrolled: every partial's load issues at once
+        acc = tl.zeros(ptrs.shape, dtype=tl.float32)
+        for s in tl.static_range(STEPS):
+            acc += tl.load(ptrs + (c * STEPS + s) * stride_part, mask=mask, other=0.0)
+        total += acc
+    return total
 
 
 def fp32_gemm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

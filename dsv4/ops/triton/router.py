@@ -1,4 +1,5 @@
-"""The routers on the H200 fast path. V4.1's in two kernels: the fp32 gate GEMM (`mhc.fp32_gemm_parts`),
+"""The routers on the H200 fast path. V4.1's in two kernels: the fp32 gate GEMM (`mhc.fp32_gemm_parts`;
+up to STEP_PARTS_MAX_ROWS tokens `mhc.fp32_gemm_step_parts`, one program per K step),
 then one kernel for the rest — the GEMM's chunk sums added in order, sqrtsoftplus of the
 temperature-scaled logits, the bias-shifted top-k, the selected unbiased scores normalised and
 scaled, and the shared expert appended as one more slot of weight 1 (`layers.moe`: it runs as
@@ -22,8 +23,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsv4.ops.triton.mhc import fp32_gemm_parts
+from dsv4.ops.triton.mhc import CONFIG, add_step_parts, fp32_gemm_parts, fp32_gemm_step_parts
 from dsv4.ops.triton.pdl import begin, pdl_launch
+
+# Calls of up to this many tokens run the gate GEMM one program per K step
+# (`mhc.fp32_gemm_step_parts`), the routing kernel adding the step products as the GEMM's
+# chunks would (same bits): a chunk's four dependent steps were most of a batch-1 router GEMM
+# (~7 us a call, H200 timeline S28-6). Wider calls keep the chunk partials (4x fewer to write
+# and read). 0: never.
+STEP_PARTS_MAX_ROWS = 16
 
 
 @triton.jit
@@ -54,15 +62,14 @@ def _store_route(ids_ptr, weights_ptr, row, picked, chosen, slots, extra_id, TOP
 
 @triton.jit
 def _route_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_part, stride_l, temp, scale, extra_id,
-                  CHUNKS: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, EXTRA: tl.constexpr, E_BLOCK: tl.constexpr,
-                  K_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                  CHUNKS: tl.constexpr, STEPS: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, EXTRA: tl.constexpr,
+                  E_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, PDL: tl.constexpr):
     begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, E_BLOCK)
     ok = cols < E
-    logits = tl.zeros((E_BLOCK,), dtype=tl.float32)
-    for c in tl.static_range(CHUNKS):  # the GEMM's chunk sums, in chunk order (unrolled: loads issue together)
-        logits += tl.load(part_ptr + c * stride_part + row * stride_l + cols, mask=ok, other=0.0)
+    # the GEMM's partials (chunk sums, or STEPS step products a chunk) added as the GEMM would
+    logits = add_step_parts(part_ptr + row * stride_l + cols, stride_part, ok, CHUNKS, STEPS)
     x = tl.math.div_rn(logits, temp)
     e = tl.exp(x)
     log1p = tl.where(e < 1e-3, e - e * e * 0.5 + e * e * e * (1.0 / 3.0), tl.log(1.0 + e))
@@ -90,11 +97,16 @@ def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k:
     weights = torch.empty(t, width, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, width, dtype=torch.int64, device=x.device)
     if t:
-        part = fp32_gemm_parts(x if x.stride(-1) == 1 else x.contiguous(), gate.contiguous(), sumsq=False)
+        x2 = x if x.stride(-1) == 1 else x.contiguous()
+        steps = 1
+        if t <= STEP_PARTS_MAX_ROWS and d % CONFIG["CHUNK"] == 0:
+            part, steps = fp32_gemm_step_parts(x2, gate.contiguous())
+        else:
+            part = fp32_gemm_parts(x2, gate.contiguous(), sumsq=False)
         _route_kernel[(t,)](
             part, bias.float().contiguous(), weights, ids, e, part.stride(0), part.stride(1), float(temp), float(routed_scale),
             -1 if extra_expert is None else int(extra_expert),
-            CHUNKS=part.shape[0], TOP_K=top_k, NORMALIZE=normalize and top_k > 1, EXTRA=extra_expert is not None,
+            CHUNKS=part.shape[0] // steps, STEPS=steps, TOP_K=top_k, NORMALIZE=normalize and top_k > 1, EXTRA=extra_expert is not None,
             E_BLOCK=triton.next_power_of_2(e), K_BLOCK=max(2, triton.next_power_of_2(width)), num_warps=4 if e > 256 else 1, **pdl_launch(part.device),
         )
     return weights, ids
