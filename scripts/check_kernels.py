@@ -2452,6 +2452,25 @@ def invariance_fp32_gemm() -> None:
                ok=torch.equal(narrow, batch), differing=int((narrow != batch).sum()))
 
 
+def invariance_router() -> None:
+    """`router.route_scores` at V4.1's shapes (5120 inputs; 64 and 384 experts, top-6 + the
+    shared one): a 16-token call (the gate GEMM one program per K step, `STEP_PARTS_MAX_ROWS`)
+    against the same rows in 4096 tokens (the chunk partials): the same experts and weights,
+    bit for bit."""
+    from dsv4.ops.triton import router
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4096, 5120, device="cuda", generator=g).bfloat16()
+    for e in (64, 384):
+        gate = torch.randn(e, 5120, device="cuda", generator=g) * 0.04
+        bias = torch.randn(e, device="cuda", generator=g) * 0.1
+        args = (gate, bias, 6, 1.5, 2.5, True, e)
+        w, ids = router.route_scores(x, *args)
+        w16, ids16 = router.route_scores(x[:16], *args)
+        record("invariance", f"route_scores E={e}: rows of T=16 (step parts) vs in T=4096", "triton",
+               ok=torch.equal(w16, w[:16]) and torch.equal(ids16, ids[:16]), differing=int((w16 != w[:16]).sum()))
+
+
 def section_invariance() -> None:
     """A row computed alone must have the bits it has inside a batch."""
     for name, n, k, block in (p for p in PROJECTIONS if p[0] in ("wq_a+wkv", "wq_b", "wo_b")):  # 14, 1, 6 chunks
@@ -2459,6 +2478,7 @@ def section_invariance() -> None:
     guarded("invariance", "moe_experts", invariance_moe)
     guarded("invariance", "sparse_attention", invariance_attention)
     guarded("invariance", "fp32_gemm", invariance_fp32_gemm)
+    guarded("invariance", "route_scores", invariance_router)
 
 
 # ------------------------------------------------------------------------------ sm_90 compile
