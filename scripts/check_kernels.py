@@ -1125,7 +1125,7 @@ def section_defaults() -> None:
 # ------------------------------------------------------------------------------ attention
 
 
-ATTN_SHAPE = {"h": 64, "dim": 512, "window": 128, "top": 512, "per_block": 128}  # V4.1-Flash
+ATTN_SHAPE = {"h": 64, "dim": 512, "window": 128, "top": 512, "per_block": 128, "rope_half": 32}  # V4.1-Flash (64 RoPE channels)
 
 
 def attention_caches(slots: int, g: torch.Generator, n_blocks: int = 8192) -> dict:
@@ -1225,13 +1225,22 @@ def attention_case(t: int) -> None:
     t_r = median_time(lambda: attention_ops.sparse_attention_reference(**args), reps=3, warmup=1)
     record("sparse_attention", case, "torch_gather", **perf(t_r, nbytes, flops, "bf16"))
     # the FP4 decoding in PTX (the compiled path) against Triton's fp32 form: the same values,
-    # so the same bits, with both channels of a pair (DSPLIT 1) and one (DSPLIT 2), from the
-    # cache (and the dense copy where the default reads it)
-    for cfg in ({"DSPLIT": 1, "DENSE_CKV": False}, {"DSPLIT": 2, "DENSE_CKV": False}, {}):
+    # so the same bits, with all channels in one slice (DSPLIT 1) and in 16, from the cache (and
+    # the dense copy where the default reads it)
+    for cfg in ({"DSPLIT": 1, "DENSE_CKV": False}, {"DSPLIT": 16, "DENSE_CKV": False}, {}):
         y = attention.sparse_attention(**args, config=cfg)
         with patch.object(fp8_gemm, "FP8_CONVERT", "fp32"):
             same = torch.equal(attention.sparse_attention(**args, config=cfg), y)
         record("sparse_attention", f"{case} {attention_label(cfg)}", "ptx fp4 vs fp32 decode", ok=same, same_bits=same)
+    # the epilogue's inverse RoPE (PTX mul.rn products) against the separate rotation kernel
+    # on the output: the same bits
+    from dsv4.ops.triton import rowwise
+
+    angle = torch.rand(t, ATTN_SHAPE["rope_half"], device="cuda") * 6.3
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    want = rowwise.apply_rope_(attention.sparse_attention(**args), cos, sin, inverse=True)
+    same = torch.equal(attention.sparse_attention(**args, inverse_rope=(cos, sin)), want)
+    record("sparse_attention", case, "inverse rope in the epilogue vs its own kernel", ok=same, same_bits=same)
     plan = attention_plan(t, args["q"].device, attention.CONFIG)
     if plan["DENSE_CKV"]:  # the default read the dense copy: the cache-key form too, and its bits
         y = attention.sparse_attention(**args)
@@ -1339,7 +1348,6 @@ ATTN_SWEEP = [
     # decode's PV runs 8 programs at T=1, each through 20 key tiles in turn: more channel
     # slices, or half as many (wider) tiles
     {"DSPLIT": 16},
-    {"DSPLIT": 32},
     {"DSPLIT": 8, "PV_BLOCK_N": 64},  # (at DSPLIT 1, 64-key tiles need 280 KB of shared memory)
     {"DSPLIT": 16, "PV_BLOCK_N": 64},
 ]
@@ -2688,8 +2696,8 @@ def attention_compile_targets() -> list[tuple]:
     caches = dict(idx, kv_new_ptr="*bf16:16", ring_ptr="*fp8e4nv:16", ring_scale_ptr="*u8:16", ckv_ptr="*u8:16", ckv_scale_ptr="*fp8e4nv:16", s_ptr="*bf16:16", stat_ptr="*fp32:16")
     logits = dict(caches, q_ptr="*bf16:16", dense_ptr="*bf16:16", H=a, n_top=a, n_keys=a, n_tiles="i32", tiles_per_program="i32", sm_scale="fp32",
                   dense_rows=a, stride_qt=a, stride_qh=a, stride_kv=a, stride_top=a, stride_bt=a)
-    pv = dict(caches, sink_ptr="*fp32:16", dense_ptr="*bf16:16", out_ptr="*bf16:16", H=a, n_top=a, n_keys=a, dense_rows=a,
-              stride_kv=a, stride_top=a, stride_bt=a, stride_ot=a, stride_oh=a)
+    pv = dict(caches, sink_ptr="*fp32:16", dense_ptr="*bf16:16", cos_ptr="*bf16:16", sin_ptr="*bf16:16", out_ptr="*bf16:16", H=a, n_top=a, n_keys=a,
+              dense_rows=a, stride_kv=a, stride_top=a, stride_bt=a, stride_rope=a, stride_ot=a, stride_oh=a)
     shape = {"WINDOW": ATTN_SHAPE["window"], "PER_BLOCK": ATTN_SHAPE["per_block"], "DIM": ATTN_SHAPE["dim"]}
     out = []
     # wgmma only: that a head block or a channel slice (the MMA's N) leaves every element's
@@ -2715,7 +2723,7 @@ def attention_compile_targets() -> list[tuple]:
         n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-ATTN_SHAPE["top"] // c["LOGIT_BLOCK_N"])
         for dense in (False, True) if default(c, ATTN_PV_KEYS) else (False,):
             consts = dict(shape, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"], DENSE=dense, PIECE=c["PIECE"], PTX=True,
-                          **V41_FORMATS)
+                          ROPE_HALF=ATTN_SHAPE["rope_half"], **V41_FORMATS)
             label = f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']} tiles={n_tiles}{' dense' if dense else ''}"
             out.append((label, attention._pv_kernel, pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
     # V4-Flash: bf16 ring and compressed KV (the wrapper passes the values in the scale slots),
@@ -2733,7 +2741,7 @@ def attention_compile_targets() -> list[tuple]:
         n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-top // c["LOGIT_BLOCK_N"])
         for dsplit in (*attention.AUTO_DSPLITS, *attention.WIDE_DSPLITS):  # the splits "auto" picks
             consts = dict(shape, PER_BLOCK=per_block, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=attention.pv_block_n(dsplit, c),
-                          DSPLIT=dsplit, DENSE=False, PIECE=c["PIECE"], **formats)
+                          DSPLIT=dsplit, DENSE=False, PIECE=c["PIECE"], ROPE_HALF=ATTN_SHAPE["rope_half"], **formats)
             out.append((f"attention pv v4 DSPLIT={dsplit} per_block={per_block} tiles={n_tiles}", attention._pv_kernel, dict(pv, **raw), consts,
                         {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
     copy = {"ckv_ptr": "*u8:16", "ckv_scale_ptr": "*fp8e4nv:16", "block_table_ptr": "*i64:16", "dense_ptr": "*bf16:16", "n_blocks": "i32", "entries": a, "stride_bt": a}

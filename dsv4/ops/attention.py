@@ -55,20 +55,25 @@ def rope_queries_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx_q: 
             idx_q.copy_(kvops.round_trip(idx_keys, idx_q, "idx"))
 
 
-def sparse_attention(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale: float) -> torch.Tensor:
+def sparse_attention(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale: float,
+                     inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [T, H, D] (after RoPE); kv_new [T, D] this step's window keys (rounded as the ring stores them); ring
     FP8 codes [S, W, D] + ue8m0 bytes [S, W, D/32]; compressed KV packed FP4 [NB, P, D/2] +
     E4M3 scales [NB, P, D/16] — or, for V4's caches in the compute dtype, the values [S, W, D]
     / [NB, P, D] with scales None (each cache independently);
     topk [T, k] selected entries (-1 = none; k may be 0; V4's HCA layers: every visible entry);
     token_req [T]; positions [T]; per request: start_pos, row_start (first row), slots,
-    floors (window keys below are invisible); block_tables [B, max_blocks]; sink fp32 [H].
-    -> [T, H, D] in q's dtype."""
+    floors (window keys below are invisible); block_tables [B, max_blocks]; sink fp32 [H];
+    inverse_rope: None, or the (cos, sin) [T, rd/2] the queries were rotated by, to rotate the
+    output's trailing rd channels back (`apply_rope_(out, cos, sin, inverse=True)`; the kernel
+    does it in its epilogue). -> [T, H, D] in q's dtype."""
     if on_triton(q) and q.dtype == torch.bfloat16:
         from dsv4.ops.triton.attention import sparse_attention as kernel
 
-        return kernel(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale)
-    return sparse_attention_reference(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale)
+        return kernel(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale,
+                      inverse_rope)
+    return sparse_attention_reference(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale,
+                                      inverse_rope)
 
 
 def sparse_attention_reference(
@@ -88,6 +93,7 @@ def sparse_attention_reference(
     block_tables: torch.Tensor,
     sink: torch.Tensor,
     softmax_scale: float,
+    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     chunk: int = 256,
 ) -> torch.Tensor:
     """Torch reference of `sparse_attention` (same signature; `chunk` bounds the gathered keys'
@@ -129,4 +135,4 @@ def sparse_attention_reference(
         sinks = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
         probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1].to(q.dtype)
         out[rows] = torch.einsum("nhk,nkd->nhd", probs, keys)
-    return out
+    return out if inverse_rope is None else apply_rope_(out, *inverse_rope, inverse=True)

@@ -21,6 +21,7 @@ from dsv4.model.layers.attention import _stored
 from dsv4.ops import attention as attention_ops
 from dsv4.ops import kv as kvops
 from dsv4.ops import moe as moe_ref
+from dsv4.ops import rope as rope_ops
 from dsv4.ops.linear import Linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/ops/conftest.py set TRITON_INTERPRET=1
@@ -29,7 +30,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 tl = pytest.importorskip("triton.language")
 
 from dsv4.ops.triton import attention as tattn
-from dsv4.ops.triton import fp8_gemm, moe
+from dsv4.ops.triton import fp8_gemm, moe, rowwise
 
 BF16_REL = 2.0**-8  # half a bf16 ulp, relative
 REPO = Path(__file__).resolve().parents[2]
@@ -925,8 +926,8 @@ ATTN_TILINGS = {"default": {}, "small": {"LOGIT_BLOCK_N": 16, "PV_BLOCK_N": 16, 
 ATTN_SPREADS = [
     {"TILES_PER_PROGRAM": 1, "LOGIT_BLOCK_H": 16, "DSPLIT": 1},
     {"TILES_PER_PROGRAM": 2, "LOGIT_BLOCK_H": 32, "DSPLIT": 2},
-    # (8 slices: at 128 channels a slice of 16 pairs, one ring scale group, as one token's 32
-    # slices of 512 channels; 64-channel cases keep 4)
+    # (8 slices asked: a slice holds whole ring scale groups of 16 pairs, so 128 channels take
+    # 4, as one token's 16 slices of 512 channels, and 64-channel cases 2)
     {"TILES_PER_PROGRAM": 64, "LOGIT_BLOCK_H": 64, "DSPLIT": 8},
     # the compressed keys from the dense bf16 copy (prefill-sized steps) instead of the cache
     # (FP4 entries only: bf16 ones are read in place whatever the config says)
@@ -977,6 +978,41 @@ def test_sparse_attention_matches_reference(case, formats, tiling):
     # programs) has the bits it has in the batch
     last = y.shape[0] - 1
     assert torch.equal(tattn.sparse_attention(**_token_alone(dev, last), config=cfg)[0], y[last])
+
+
+def _rope_angles(g, t: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angle = torch.rand(t, half, generator=g) * 6.3
+    return angle.cos().bfloat16(), angle.sin().bfloat16()
+
+
+@pytest.mark.parametrize("case,formats", [("mixed", "v41"), ("decode", "v41"), ("decode", "v4")])
+def test_sparse_attention_inverse_rope_in_the_epilogue(case, formats):
+    """The PV epilogue's inverse RoPE gives the bits of `apply_rope_(out, cos, sin,
+    inverse=True)` on the output (the separate kernel it replaces), under every spread of the
+    channel slices: a slice holds both channels of its pairs, the rotated ones at the end."""
+    spec = ATTN_CASES[case]
+    g = _gen(12)
+    args, _, _ = _attention_case(g, **spec, formats=formats)
+    dev = _on_device(args)
+    cos, sin = (x.to(DEVICE) for x in _rope_angles(g, args["q"].shape[0], spec["dim"] // 8))
+    plain = tattn.sparse_attention(**dev)
+    want = rowwise.apply_rope_(plain.clone(), cos, sin, inverse=True)
+    assert not torch.equal(want, plain)
+    for spread in ({}, *ATTN_SPREADS):
+        y = tattn.sparse_attention(**dev, inverse_rope=(cos, sin), config=spread)
+        assert torch.equal(y, want), spread
+    ref = attention_ops.sparse_attention_reference(**args, inverse_rope=(cos.cpu(), sin.cpu()))
+    assert torch.equal(ref, rope_ops.apply_rope_(attention_ops.sparse_attention_reference(**args), cos.cpu(), sin.cpu(), inverse=True))
+
+
+def test_sparse_attention_rejects_bad_rope_tables():
+    spec = ATTN_CASES["decode"]
+    args, _, _ = _attention_case(_gen(13), **spec, formats="v41")
+    dev = _on_device(args)
+    t = args["q"].shape[0]
+    for cos in (torch.ones(t, 3), torch.ones(t + 1, 8), torch.ones(t, 128), torch.ones(t)):
+        with pytest.raises(ValueError, match="inverse_rope"):
+            tattn.sparse_attention(**dev, inverse_rope=(cos.bfloat16().to(DEVICE), cos.bfloat16().to(DEVICE)))
 
 
 class _Launches:
@@ -1146,7 +1182,7 @@ def test_sparse_attention_launch_plan(monkeypatch):
     assert one["DENSE_CKV"] and tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, DENSE_CKV=False), 1, 16)["tiles_per_program"] == 2
     many = tattn.launch_plan(4096, 64, 512, 128, 512, cpu, cfg, 1, 16)
     assert many["LOGIT_BLOCK_H"] == 64 and many["logit_programs"] == 1 and many["DSPLIT"] == 1
-    assert tattn.launch_plan(1, 64, 64, 16, 0, cpu, dict(cfg, DSPLIT=8), 1, 16)["DSPLIT"] == 4
+    assert tattn.launch_plan(1, 64, 64, 16, 0, cpu, dict(cfg, DSPLIT=8), 1, 16)["DSPLIT"] == 2  # whole 16-pair ring scale groups
     with pytest.raises(ValueError, match="DSPLIT"):
         tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, DSPLIT=3), 1, 16)
     with pytest.raises(ValueError, match="LOGIT_BLOCK_H"):
@@ -1154,13 +1190,12 @@ def test_sparse_attention_launch_plan(monkeypatch):
     # the H200's 132 SMs: one token gets one tile per program and 16-head blocks (20 logits
     # programs), 8 tokens 32-head blocks (80), 64 tokens all 64 heads in runs of 3 tiles (128
     # programs, one wave: runs of 2 made 192, two waves of 2 tile rounds), 256 one program (16
-    # tokens: 64-head blocks); PV: 32 slices (one token) or 16 of 64-key tiles while they
-    # fit one wave (up to 8 tokens), then within half the SMs (16 tokens x 4 slices, 64 x 1)
-    # with 32-key tiles
+    # tokens: 64-head blocks); PV: 16 slices of 64-key tiles while they fit one wave (up to 8
+    # tokens), then within half the SMs (16 tokens x 4 slices, 64 x 1) with 32-key tiles
     monkeypatch.setattr(tattn, "num_sms", lambda device: 132)
     plans = {t: tattn.launch_plan(t, 64, 512, 128, 512, cpu, cfg, t, 16384) for t in (1, 8, 16, 64, 256)}
     assert [(p["LOGIT_BLOCK_H"], p["tiles_per_program"]) for p in plans.values()] == [(16, 1), (32, 1), (64, 1), (64, 3), (64, 5)]
-    assert [(p["DSPLIT"], p["PV_BLOCK_N"]) for p in plans.values()] == [(32, 64), (16, 64), (4, 32), (1, 32), (1, 32)]
+    assert [(p["DSPLIT"], p["PV_BLOCK_N"]) for p in plans.values()] == [(16, 64), (16, 64), (4, 32), (1, 32), (1, 32)]
     assert tattn.launch_plan(1, 64, 512, 128, 512, cpu, dict(cfg, PV_BLOCK_N=16), 1, 16)["PV_BLOCK_N"] == 16
 
 

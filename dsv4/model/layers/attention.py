@@ -628,10 +628,10 @@ class Attention:
             topk, ckv = torch.full((rows.num_rows, 0), -1, dtype=torch.int32, device=x.device), _no_entries(cache)
         out = attention_ops.sparse_attention(
             q, kv, *_stored(ring), *_stored(ckv), topk, rows.req, rows.positions, rows.start,
-            rows.row0, step.slots, rows.floor, step.block_tables, self.sink, hd**-0.5,
+            rows.row0, step.slots, rows.floor, step.block_tables, self.sink, hd**-0.5, inverse_rope=(cos, sin),
         )
         kvops.store_rows(ring, "window", kv, (rows.slot, rows.ring_pos), rows.ring_keep)  # after attention: queries read the old ring
-        return self.project_out(apply_rope_(out, cos, sin, inverse=True))
+        return self.project_out(out)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """The grouped low-rank output projection: heads [R, H, D] in o_groups groups, each

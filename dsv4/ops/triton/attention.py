@@ -36,8 +36,10 @@ at 8 warps) leaves too few registers for the logits and the key dequantisation i
    softmax statistics (max, sum of exp) per head.
 2. `_pv_kernel`, program (token, head block, channel slice): merges the tiles' statistics in
    tile order with the sink, then for each tile of PV_BLOCK_N keys p = exp(S - max) in bf16
-   (the A operand from registers) times the dequantised values of its DV output channels
-   (shared memory) into an fp32 accumulator. The selected entries' tiles load a tile ahead
+   (the A operand from registers) times the dequantised values of its output channel pairs
+   (shared memory) into two fp32 accumulators (even and odd channels); its epilogue divides by
+   the denominator, rounds to bf16 and, where the caller passes the angles, rotates the RoPE
+   channels back (the inverse RoPE the output projection needs, no launch of its own). The selected entries' tiles load a tile ahead
    by the loop itself, into registers (values and logits one tile ahead, cache blocks two,
    entries three): a value's address needs its entry and cache block, and the compiler's
    pipelining of that chain waited at every tile for all the copies the tile before had
@@ -84,8 +86,8 @@ CKV_SCALE_BLOCK = tl.constexpr(16)  # E4M3 scale per 16 channels of a compressed
 # logits tile (the rows of S^T: 128 = one 64-row wgmma per warpgroup at 8 warps), which is also
 # the unit of the softmax statistics; PIECE channel pairs dequantised per operand piece;
 # PV_BLOCK_N keys per PV tile; DSPLIT output-channel slices per (token, head block) in the PV
-# kernel (1: all channels; 2: the even or the odd ones; 4 .. 32: those cut into 2 .. 16 ranges
-# of channel pairs); TILES_PER_PROGRAM logits tiles per program. "auto" picks LOGIT_BLOCK_H and
+# kernel (ranges of channel pairs, both channels of a pair in one slice, so that the epilogue
+# can rotate them); TILES_PER_PROGRAM logits tiles per program. "auto" picks LOGIT_BLOCK_H and
 # the last two from the batch size to fill the SMs, and PV_BLOCK_N from DSPLIT. LOGIT_BLOCK_N
 # and PIECE decide the rounding (so they are fixed, not tuned per batch); LOGIT_BLOCK_H, DSPLIT,
 # TILES_PER_PROGRAM and PV_BLOCK_N do not change a bit (PV_BLOCK_N: a 64-key tile is the same
@@ -107,12 +109,13 @@ CONFIG = {
 # pipelined both loops (T=1 50.2 -> 48.7 us, T=8 52.8 -> 50.2, T=256 300 -> 296, a 4096-token
 # chunk 4.12 -> 4.09 ms, T=64 level); with the top-k loop's own loads (S20-4, H100), 2 was
 # level but at T=64 (98.0 -> 95.3 us, both kernels).
-DSPLITS = (1, 2, 4, 8, 16, 32)
+DSPLITS = (1, 2, 4, 8, 16)  # 16: 16 pairs a slice, one ring scale group (and two wgmma N of 16)
 AUTO_DSPLITS = (1, 2, 4, 8)  # "auto" above a few tokens (below: WIDE_DSPLITS)
-# "auto" while tokens x slices fit in one wave of programs: the widest that does. 32 slices of
-# 16 channels took one token's call from 34.3 to 30.6 us (attention_sweep, H100, nineteenth
-# session; 8 tokens: 16 slices 38.7, 32 slices 39.4)
-WIDE_DSPLITS = (32, 16)
+# "auto" while tokens x slices fit in one wave of programs: the widest that does. (When a slice
+# held one parity of its pairs, 32 slices of 16 channels took one token's call from 34.3 to
+# 30.6 us against 16 slices; attention_sweep, H100, nineteenth session. A slice now loads only
+# its own pairs' bytes and decodes both nibbles of each.)
+WIDE_DSPLITS = (16,)
 LOGIT_BLOCK_HS = (64, 32, 16)  # widest first; 16 is the narrowest wgmma N worth a program
 # Dense compressed keys (DENSE_CKV): a prefill-sized step uses each compressed entry many times
 # (8192 tokens x 512 selections over 2048 entries: ~2000 uses each), and dequantising it at
@@ -170,7 +173,6 @@ def _fp4_ptx(shift: str) -> str:
 
 _FP4_EVEN_PTX = tl.constexpr(_fp4_ptx("0"))
 _FP4_ODD_PTX = tl.constexpr(_fp4_ptx("4"))
-_FP4_PARITY_PTX = tl.constexpr(_fp4_ptx("$5"))  # the shift (0 or 4) an input: $5 (of the pack's $5 .. $8)
 
 
 @triton.jit
@@ -211,48 +213,35 @@ def _fp4_row_bytes(ckv_ptr, loc, valid, p0, NP: tl.constexpr, DIM: tl.constexpr)
 
 
 @triton.jit
-def _fp4_pairs(ckv_ptr, scale, loc, valid, p0, par,
-               NP: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, PTX: tl.constexpr):
+def _fp4_pairs(ckv_ptr, scale, loc, valid, p0, NP: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
     """Channel pairs p0 .. p0 + NP of the compressed entries at cache rows loc, with their
-    scales [BLOCK_N, NP / 8], as bf16 [BLOCK_N, NP] (0 where not valid): (even, odd) channels
-    if BOTH, else channel 2p + par twice."""
-    return _fp4_decode(_fp4_bytes(ckv_ptr, loc, valid, p0, NP, DIM), scale, par, NP, BLOCK_N, BOTH, PTX)
+    scales [BLOCK_N, NP / 8], as their (even, odd) channels, bf16 [BLOCK_N, NP] each (0 where
+    not valid)."""
+    return _fp4_decode(_fp4_bytes(ckv_ptr, loc, valid, p0, NP, DIM), scale, NP, BLOCK_N, PTX)
 
 
 @triton.jit
-def _fp4_decode(byte, scale, par, NP: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, PTX: tl.constexpr):
+def _fp4_decode(byte, scale, NP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
     """`_fp4_pairs` of the loaded bytes [BLOCK_N, NP / 8, 8] and scales [BLOCK_N, NP / 8]."""
     if PTX:  # (if / else: the other form's code would be built too)
         per_byte = tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], byte.shape)  # a pack of 4: two bf16 pairs
-        if BOTH:
-            lo = tl.inline_asm_elementwise(_FP4_EVEN_PTX, "=r,=r,r,r,r", [byte, per_byte], dtype=tl.bfloat16, is_pure=True, pack=4)
-            hi = tl.inline_asm_elementwise(_FP4_ODD_PTX, "=r,=r,r,r,r", [byte, per_byte], dtype=tl.bfloat16, is_pure=True, pack=4)
-        else:
-            shift = tl.zeros(byte.shape, tl.int32) + 4 * par
-            lo = tl.inline_asm_elementwise(_FP4_PARITY_PTX, "=r,=r,r,r,r,r,r,r,r", [byte, per_byte, shift], dtype=tl.bfloat16, is_pure=True, pack=4)
-            hi = lo
+        lo = tl.inline_asm_elementwise(_FP4_EVEN_PTX, "=r,=r,r,r,r", [byte, per_byte], dtype=tl.bfloat16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_FP4_ODD_PTX, "=r,=r,r,r,r", [byte, per_byte], dtype=tl.bfloat16, is_pure=True, pack=4)
         lo = tl.reshape(lo, (BLOCK_N, NP))
         hi = tl.reshape(hi, (BLOCK_N, NP))
     else:
         byte = byte.to(tl.int32)
         scale = scale[:, :, None] * 16384.0
-        if BOTH:
-            lo = tl.reshape(_e2m1_over_2e14(byte) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
-            hi = tl.reshape(_e2m1_over_2e14(byte >> 4) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
-        else:
-            lo = tl.reshape(_e2m1_over_2e14(byte >> (4 * par)) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
-            hi = lo
+        lo = tl.reshape(_e2m1_over_2e14(byte) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
+        hi = tl.reshape(_e2m1_over_2e14(byte >> 4) * scale, (BLOCK_N, NP)).to(tl.bfloat16)
     return lo, hi
 
 
 @triton.jit
-def _bf16_halves(words, par, BOTH: tl.constexpr):
+def _bf16_halves(words):
     """int32 words of two bf16 channels (the even one in the low half) -> the (even, odd)
-    channels, bf16, if BOTH, else channel 2p + par twice."""
-    if BOTH:
-        return (words << 16).to(tl.float32, bitcast=True).to(tl.bfloat16), (words & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
-    v = ((words >> (16 * par)) << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)
-    return v, v
+    channels, bf16."""
+    return (words << 16).to(tl.float32, bitcast=True).to(tl.bfloat16), (words & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
@@ -264,14 +253,13 @@ def _bf16_words(ptr, row, valid, p0, NP: tl.constexpr, DIM: tl.constexpr):
 
 
 @triton.jit
-def _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, par,
-                  NP: tl.constexpr, WINDOW: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr,
-                  RING_RAW: tl.constexpr):
+def _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0,
+                  NP: tl.constexpr, WINDOW: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, RING_RAW: tl.constexpr):
     """Channel pairs p0 .. p0 + NP of the window keys at positions kpos, as `_fp4_pairs`: the
     ring's keys below the step's first position (FP8 codes, or bf16 values if RING_RAW), this
     step's keys from there on."""
     ring, ring_scale, words = _window_loads(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, NP, WINDOW, DIM, RING_RAW)
-    return _window_decode(ring, ring_scale, words, par, NP, BLOCK_N, BOTH, RING_RAW)
+    return _window_decode(ring, ring_scale, words, NP, BLOCK_N, RING_RAW)
 
 
 @triton.jit
@@ -299,22 +287,18 @@ def _window_loads(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, 
 
 
 @triton.jit
-def _window_decode(ring, ring_scale, words, par, NP: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, RING_RAW: tl.constexpr):
+def _window_decode(ring, ring_scale, words, NP: tl.constexpr, BLOCK_N: tl.constexpr, RING_RAW: tl.constexpr):
     """`_window_pairs` of its loads (`_window_loads`)."""
     # each key's ring or kv_new load is masked to 0, so | (bf16 words) and + (values) merge the
     # two exactly. if / else, not an early return: the compiler would still build the FP8 code
     # after one, which needs the codes
     if RING_RAW:
-        return _bf16_halves(tl.reshape(words | ring, (BLOCK_N, NP)), par, BOTH)
+        return _bf16_halves(tl.reshape(words | ring, (BLOCK_N, NP)))
     else:
         scale = e8m0_to_fp32(ring_scale)[:, :, None]
-        if BOTH:
-            lo = _fp8_code(ring) * scale + (words << 16).to(tl.float32, bitcast=True)
-            hi = _fp8_code(ring >> 8) * scale + (words & -65536).to(tl.float32, bitcast=True)
-            return tl.reshape(lo, (BLOCK_N, NP)).to(tl.bfloat16), tl.reshape(hi, (BLOCK_N, NP)).to(tl.bfloat16)
-        v = _fp8_code(ring >> (8 * par)) * scale + ((words >> (16 * par)) << 16).to(tl.float32, bitcast=True)
-        v = tl.reshape(v, (BLOCK_N, NP)).to(tl.bfloat16)
-        return v, v
+        lo = _fp8_code(ring) * scale + (words << 16).to(tl.float32, bitcast=True)
+        hi = _fp8_code(ring >> 8) * scale + (words & -65536).to(tl.float32, bitcast=True)
+        return tl.reshape(lo, (BLOCK_N, NP)).to(tl.bfloat16), tl.reshape(hi, (BLOCK_N, NP)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -325,14 +309,11 @@ def _dense_offsets(pair, PIECE: tl.constexpr):
 
 
 @triton.jit
-def _dense_pairs(dense_ptr, row, valid, p0, par, NP: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr, BOTH: tl.constexpr):
+def _dense_pairs(dense_ptr, row, valid, p0, NP: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr):
     """Channel pairs p0 .. p0 + NP of the dense copy's rows `row`, as `_fp4_pairs`."""
     pair = p0 + tl.arange(0, NP)
     base = dense_ptr + row[:, None] * DIM + _dense_offsets(pair, PIECE)[None, :]
-    if BOTH:
-        return tl.load(base, mask=valid[:, None], other=0.0), tl.load(base + PIECE, mask=valid[:, None], other=0.0)
-    v = tl.load(base + par * PIECE, mask=valid[:, None], other=0.0)
-    return v, v
+    return tl.load(base, mask=valid[:, None], other=0.0), tl.load(base + PIECE, mask=valid[:, None], other=0.0)
 
 
 @triton.jit
@@ -349,7 +330,7 @@ def _dense_ckv_kernel(ckv_ptr, ckv_scale_ptr, block_table_ptr, dense_ptr, n_bloc
     valid = in_seq & (block >= 0) & (block < n_blocks)
     loc = tl.where(valid, block, 0) * PER_BLOCK + j % PER_BLOCK
     scale = _fp4_scales(ckv_scale_ptr, loc, valid, 0, DIM // CKV_SCALE_BLOCK, DIM)
-    lo, hi = _fp4_pairs(ckv_ptr, scale, loc, valid, 0, 0, DIM // 2, DIM, ROWS, True, PTX)
+    lo, hi = _fp4_pairs(ckv_ptr, scale, loc, valid, 0, DIM // 2, DIM, ROWS, PTX)
     pair = tl.arange(0, DIM // 2)
     dst = dense_ptr + (req * entries + j)[:, None] * DIM + _dense_offsets(pair, PIECE)[None, :]
     tl.store(dst, lo, mask=in_seq[:, None])
@@ -368,7 +349,7 @@ def _q_words(q_ptr, tok, heads, stride_qt, stride_qh, PIECE: tl.constexpr):
 def _q_piece(q_words, c, PIECE: tl.constexpr, h_ok):
     """q^T's piece c as (even, odd) channels, bf16 [PIECE, BLOCK_H] each (a B operand of the
     logits product), from q's words (`_q_words`): one 32-bit load per channel pair."""
-    return _bf16_halves(tl.load(q_words + c * PIECE, mask=h_ok[None, :], other=0), 0, True)
+    return _bf16_halves(tl.load(q_words + c * PIECE, mask=h_ok[None, :], other=0))
 
 
 @triton.jit
@@ -462,7 +443,7 @@ def _logits_kernel(
         s_t = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
         if DENSE:
             for c in tl.range(0, N_PIECES, num_stages=DENSE_STAGES):
-                k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, 0, PIECE, WINDOW, DIM, BLOCK_N, True, RING_RAW)
+                k_lo, k_hi = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, c * PIECE, PIECE, WINDOW, DIM, BLOCK_N, RING_RAW)
                 q_lo_c, q_hi_c = _q_piece(q_words, c, PIECE, h_ok)
                 s_t = tl.dot(k_lo, q_lo_c, s_t)
                 s_t = tl.dot(k_hi, q_hi_c, s_t)
@@ -472,7 +453,7 @@ def _logits_kernel(
                 if c + 1 < N_PIECES:
                     next_ring, next_scale, next_words = _window_loads(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot,
                                                                       (c + 1) * PIECE, PIECE, WINDOW, DIM, RING_RAW)
-                k_lo, k_hi = _window_decode(ring, ring_scale, words, 0, PIECE, BLOCK_N, True, RING_RAW)
+                k_lo, k_hi = _window_decode(ring, ring_scale, words, PIECE, BLOCK_N, RING_RAW)
                 s_t = tl.dot(k_lo, q_lo[c], s_t)
                 s_t = tl.dot(k_hi, q_hi[c], s_t)
                 if c + 1 < N_PIECES:
@@ -491,7 +472,7 @@ def _logits_kernel(
             if DENSE:  # the bf16 keys go to shared memory by async copies
                 row = req.to(tl.int64) * dense_rows + entry
                 for c in tl.range(0, N_PIECES, num_stages=DENSE_STAGES):
-                    k_lo, k_hi = _dense_pairs(dense_ptr, row, valid, c * PIECE, 0, PIECE, DIM, PIECE, True)
+                    k_lo, k_hi = _dense_pairs(dense_ptr, row, valid, c * PIECE, PIECE, DIM, PIECE)
                     q_lo_c, q_hi_c = _q_piece(q_words, c, PIECE, h_ok)
                     s_t = tl.dot(k_lo, q_lo_c, s_t)
                     s_t = tl.dot(k_hi, q_hi_c, s_t)
@@ -515,9 +496,9 @@ def _logits_kernel(
                         else:
                             next_piece = _fp4_bytes(ckv_ptr, loc, valid, (c + 1) * PIECE, PIECE, DIM)
                     if CKV_RAW:
-                        k_lo, k_hi = _bf16_halves(piece, 0, True)
+                        k_lo, k_hi = _bf16_halves(piece)
                     else:
-                        k_lo, k_hi = _fp4_decode(piece, tl.sum(tl.where(which == c, scales, 0.0), axis=1), 0, PIECE, BLOCK_N, True, PTX)
+                        k_lo, k_hi = _fp4_decode(piece, tl.sum(tl.where(which == c, scales, 0.0), axis=1), PIECE, BLOCK_N, PTX)
                     s_t = tl.dot(k_lo, q_lo[c], s_t)
                     s_t = tl.dot(k_hi, q_hi[c], s_t)
                     if c + 1 < N_PIECES:
@@ -557,16 +538,15 @@ def _top_logits(s_row, tile, entry, h_ok, n_top, WINDOW: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _top_values(ckv_ptr, ckv_scale_ptr, dense_ptr, entry, block, req, dense_rows, p0, par,
-                PER_BLOCK: tl.constexpr, NP: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr,
-                BOTH: tl.constexpr, DENSE: tl.constexpr, CKV_RAW: tl.constexpr):
+def _top_values(ckv_ptr, ckv_scale_ptr, dense_ptr, entry, block, req, dense_rows, p0,
+                PER_BLOCK: tl.constexpr, NP: tl.constexpr, DIM: tl.constexpr, PIECE: tl.constexpr, DENSE: tl.constexpr, CKV_RAW: tl.constexpr):
     """The loads of a top-k tile's values (channel pairs p0 .. p0 + NP, 0 where no entry), not
     yet decoded (`_top_decode`): the dense copy's bf16 halves, V4's bf16 words (twice), or
     V4.1's FP4 bytes and their scales."""
     valid = entry >= 0
     e = tl.where(valid, entry, 0)
     if DENSE:
-        return _dense_pairs(dense_ptr, req.to(tl.int64) * dense_rows + e, valid, p0, par, NP, DIM, PIECE, BOTH)
+        return _dense_pairs(dense_ptr, req.to(tl.int64) * dense_rows + e, valid, p0, NP, DIM, PIECE)
     else:
         loc = block * PER_BLOCK + e % PER_BLOCK
         if CKV_RAW:
@@ -578,35 +558,35 @@ def _top_values(ckv_ptr, ckv_scale_ptr, dense_ptr, entry, block, req, dense_rows
 
 
 @triton.jit
-def _top_decode(x, y, par, NP: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr, DENSE: tl.constexpr, CKV_RAW: tl.constexpr,
-                PTX: tl.constexpr):
+def _top_decode(x, y, NP: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr, CKV_RAW: tl.constexpr, PTX: tl.constexpr):
     """`_top_values`' loads as the bf16 (even, odd) channels the PV product takes."""
     if DENSE:
         return x, y
     else:
         if CKV_RAW:
-            return _bf16_halves(x, par, BOTH)
+            return _bf16_halves(x)
         else:
-            return _fp4_decode(x, y, par, NP, BLOCK_N, BOTH, PTX)
+            return _fp4_decode(x, y, NP, BLOCK_N, PTX)
 
 
 @triton.jit
 def _pv_kernel(
     s_ptr, stat_ptr, kv_new_ptr, ring_ptr, ring_scale_ptr, ckv_ptr, ckv_scale_ptr, topk_ptr,
-    token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr, sink_ptr, dense_ptr, out_ptr,
+    token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr, sink_ptr, dense_ptr, cos_ptr, sin_ptr, out_ptr,
     H, n_top, n_keys, dense_rows,
-    stride_kv, stride_top, stride_bt, stride_ot, stride_oh,
+    stride_kv, stride_top, stride_bt, stride_rope, stride_ot, stride_oh,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr, N_TILES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr, DENSE: tl.constexpr, PIECE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr, DENSE: tl.constexpr, PIECE: tl.constexpr, ROPE_HALF: tl.constexpr,
     RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (token, head block x channel slice): slice 2r + par of DSPLIT holds channels
-    2p + par for the pairs p of range r (DSPLIT = 1: every channel, as two halves). DENSE: the
-    compressed values from the dense copy (pieces of PIECE pairs). RING_RAW / CKV_RAW: the
-    ring / the compressed KV hold bf16 values (no scales). PTX: as the logits kernel's."""
+    """Program (token, head block x channel slice): slice r of DSPLIT holds the channel pairs
+    r * NP .. (r + 1) * NP - 1, their even channels in one accumulator and their odd ones in
+    another. DENSE: the compressed values from the dense copy (pieces of PIECE pairs).
+    RING_RAW / CKV_RAW: the ring / the compressed KV hold bf16 values (no scales). PTX: as the
+    logits kernel's. ROPE_HALF > 0: the output's last ROPE_HALF pairs leave inverse-RoPE'd by
+    the token's cos / sin (`_inverse_rope`); a slice holds both channels of its pairs for it."""
     begin(PDL)
-    BOTH: tl.constexpr = DSPLIT == 1
-    NP: tl.constexpr = DIM // 2 if DSPLIT <= 2 else DIM // DSPLIT  # channel pairs of the slice
+    NP: tl.constexpr = DIM // 2 // DSPLIT  # channel pairs of the slice
     tok = tl.program_id(0).to(tl.int64)
     req = tl.load(token_req_ptr + tok)
     pos = tl.load(pos_ptr + tok)
@@ -616,9 +596,7 @@ def _pv_kernel(
     floor = tl.maximum(tl.load(floor_ptr + req), 0)
     heads = (tl.program_id(1) // DSPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
-    piece = tl.program_id(1) % DSPLIT
-    par = piece % 2
-    p0 = (piece // 2) * NP
+    p0 = (tl.program_id(1) % DSPLIT) * NP
     # the tiles' statistics, merged in tile order, with the sink in the denominator. N_TILES is
     # fixed by the shapes, so the compiler sees the trip count and can issue a pass's loads
     # together instead of one L2 round trip per tile (a static_range would force that, but at
@@ -636,16 +614,15 @@ def _pv_kernel(
 
     s_row = s_ptr + (tok * H + heads[:, None]) * n_keys
     acc_a = tl.zeros((BLOCK_H, NP), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_H, NP), dtype=tl.float32)  # odd channels when BOTH
+    acc_b = tl.zeros((BLOCK_H, NP), dtype=tl.float32)  # the odd channels
     for tile in range(0, (WINDOW + BLOCK_N - 1) // BLOCK_N):
         idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         kpos = pos - (WINDOW - 1) + idx
         valid = (idx < WINDOW) & (kpos >= floor)
         p = tl.exp(tl.load(s_row + idx[None, :], mask=h_ok[:, None] & (idx < WINDOW)[None, :], other=float("-inf")) - m[:, None])
-        v_a, v_b = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, par, NP, WINDOW, DIM, BLOCK_N, BOTH, RING_RAW)
+        v_a, v_b = _window_pairs(kv_new_ptr, ring_ptr, ring_scale_ptr, stride_kv, kpos, valid, start, row0, slot, p0, NP, WINDOW, DIM, BLOCK_N, RING_RAW)
         acc_a = tl.dot(p.to(tl.bfloat16), v_a, acc_a)
-        if BOTH:
-            acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
+        acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
     # the selected entries' tiles, their loads issued a tile ahead (module docstring): tile t's
     # values and logits load during tile t - 1, its cache blocks during t - 2, its entries
     # during t - 3, so each load's address is in registers when it issues (loads past the table
@@ -656,11 +633,11 @@ def _pv_kernel(
     block_1 = _top_blocks(block_table_ptr, req, stride_bt, entry_1, PER_BLOCK, DENSE)
     s_t = _top_logits(s_row, 0, entry, h_ok, n_top, WINDOW, BLOCK_N, SKIP_EMPTY)
     x, y = _top_values(ckv_ptr, ckv_scale_ptr, dense_ptr, entry, _top_blocks(block_table_ptr, req, stride_bt, entry, PER_BLOCK, DENSE),
-                       req, dense_rows, p0, par, PER_BLOCK, NP, DIM, PIECE, BOTH, DENSE, CKV_RAW)
+                       req, dense_rows, p0, PER_BLOCK, NP, DIM, PIECE, DENSE, CKV_RAW)
     for tile in tl.range(0, tl.cdiv(n_top, BLOCK_N), num_stages=1):  # (no pipelining by the compiler on top)
         s_next = _top_logits(s_row, tile + 1, entry_1, h_ok, n_top, WINDOW, BLOCK_N, SKIP_EMPTY)
-        x_next, y_next = _top_values(ckv_ptr, ckv_scale_ptr, dense_ptr, entry_1, block_1, req, dense_rows, p0, par,
-                                     PER_BLOCK, NP, DIM, PIECE, BOTH, DENSE, CKV_RAW)
+        x_next, y_next = _top_values(ckv_ptr, ckv_scale_ptr, dense_ptr, entry_1, block_1, req, dense_rows, p0,
+                                     PER_BLOCK, NP, DIM, PIECE, DENSE, CKV_RAW)
         block_2 = _top_blocks(block_table_ptr, req, stride_bt, entry_2, PER_BLOCK, DENSE)
         entry_3 = _top_entries(topk_ptr, tok, stride_top, tile + 3, n_top, BLOCK_N)
         taken = True  # (a constexpr: no branch without SKIP_EMPTY)
@@ -668,21 +645,62 @@ def _pv_kernel(
             taken = tl.max((entry >= 0).to(tl.int32), axis=0) > 0
         if taken:
             p = tl.exp(s_t - m[:, None])
-            v_a, v_b = _top_decode(x, y, par, NP, BLOCK_N, BOTH, DENSE, CKV_RAW, PTX)
+            v_a, v_b = _top_decode(x, y, NP, BLOCK_N, DENSE, CKV_RAW, PTX)
             acc_a = tl.dot(p.to(tl.bfloat16), v_a, acc_a)
-            if BOTH:
-                acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
+            acc_b = tl.dot(p.to(tl.bfloat16), v_b, acc_b)
         entry, entry_1, entry_2, block_1 = entry_1, entry_2, entry_3, block_2
         s_t, x, y = s_next, x_next, y_next
     inv = (1.0 / denom)[:, None]
-    j = tl.arange(0, NP)
+    pair = p0 + tl.arange(0, NP)
+    even = (acc_a * inv).to(tl.bfloat16)
+    odd = (acc_b * inv).to(tl.bfloat16)
+    if ROPE_HALF > 0:
+        even, odd = _inverse_rope(even, odd, cos_ptr + tok * stride_rope, sin_ptr + tok * stride_rope, pair, DIM // 2 - ROPE_HALF, PTX)
     row = tok * stride_ot + heads[:, None] * stride_oh
-    if BOTH:  # one int32 word of two channels per store
-        lo = (acc_a * inv).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        hi = (acc_b * inv).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
-        tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + row // 2 + j[None, :], lo | hi, mask=h_ok[:, None])
+    lo = even.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # one int32 word of two channels per store
+    hi = odd.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + row // 2 + pair[None, :], lo | hi, mask=h_ok[:, None])
+
+
+@triton.jit
+def _mul_rn(a, b, PTX: tl.constexpr):
+    """a * b in fp32, rounded on its own: never contracted with a following add into a fused
+    multiply-add (PTX's mul.rn; the interpreter's numpy never fuses)."""
+    if PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        tl.store(out_ptr + row + 2 * (p0 + j[None, :]) + par, (acc_a * inv).to(tl.bfloat16), mask=h_ok[:, None])
+        return a * b
+
+
+@triton.jit
+def _inverse_rope(even, odd, cos_row, sin_row, pair, first, PTX: tl.constexpr):
+    """The output's channel pairs `pair` (bf16 [BLOCK_H, NP] even and odd channels) with the pairs
+    from `first` on rotated back by the token's angles (cos_row / sin_row: its tables' row,
+    pair p at p - first): `ops.rope.apply_rope_(..., inverse=True)` on the rounded output —
+    fp32 products each rounded on its own, their difference / sum rounded to bf16."""
+    rot = pair >= first
+    c = tl.load(cos_row + (pair - first), mask=rot, other=0.0).to(tl.float32)[None, :]
+    s = -tl.load(sin_row + (pair - first), mask=rot, other=0.0).to(tl.float32)[None, :]
+    e = even.to(tl.float32)
+    o = odd.to(tl.float32)
+    e2 = _mul_rn(e, c, PTX) - _mul_rn(o, s, PTX)
+    o2 = _mul_rn(e, s, PTX) + _mul_rn(o, c, PTX)
+    return tl.where(rot[None, :], e2.to(tl.bfloat16), even), tl.where(rot[None, :], o2.to(tl.bfloat16), odd)
+
+
+def _rope_tables(inverse_rope, t: int, dim: int, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_attention`'s inverse_rope checked: (cos, sin) [T, half], half a power of two up to
+    dim / 2, one dtype and row stride (the kernel takes one); None -> a placeholder pair the
+    kernel never reads."""
+    if inverse_rope is None:
+        return placeholder.view(1, -1), placeholder.view(1, -1)
+    cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in inverse_rope)
+    half = cos.shape[-1] if cos.dim() == 2 else 0
+    if cos.dim() != 2 or cos.shape[0] != t or half & (half - 1) or not 0 < 2 * half <= dim or sin.shape != cos.shape:
+        raise ValueError(f"sparse_attention: inverse_rope must be (cos, sin) [{t}, half] with half a power of two <= {dim // 2}, got {_described(cos)} / {_described(sin)}")
+    if sin.dtype != cos.dtype or sin.stride(0) != cos.stride(0):
+        cos, sin = cos.contiguous(), sin.to(cos.dtype).contiguous()
+    return cos, sin
 
 
 def _described(x: torch.Tensor | None) -> str:
@@ -738,7 +756,7 @@ def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch
     block dequantises every key again), tiles per program counted in whole waves
     (`logit_tiles_per_program`; 64 tokens: 3 tiles a program, 114.3 -> 111.2 us a call on the
     H100, attention_sweep, nineteenth session).
-    PV: 32 or 16 channel slices while they fit in one wave, else the most slices that keep the
+    PV: 16 channel slices while they fit in one wave, else the most slices that keep the
     programs within half the SMs. (attention_sweep, device call S3-1: DSPLIT 1 instead of 4
     took T=64 from 139 to 115 us, LOGIT_BLOCK_H 32 instead of 16 T=8 from 61 to 54 us; S4-2:
     16 slices of 64-key tiles instead of 8 of 32 took T=1 from 47.9 to 35.5 us and T=8 from
@@ -771,7 +789,7 @@ def launch_plan(t: int, h: int, dim: int, window: int, n_top: int, device: torch
             dsplit = max((d for d in AUTO_DSPLITS if rows * d <= sms // 2), default=1)
     if dsplit not in DSPLITS:
         raise ValueError(f"sparse_attention: DSPLIT must be 'auto' or one of {DSPLITS}, got {dsplit!r}")
-    dsplit = min(dsplit, dim // (RING_SCALE_BLOCK.value // 2))  # a slice holds whole ring scale groups
+    dsplit = min(dsplit, dim // RING_SCALE_BLOCK.value)  # a slice holds whole ring scale groups (16 pairs each)
     return {"tokens": tokens, "n_tiles": n_tiles, "LOGIT_BLOCK_H": lbh, "tiles_per_program": tiles, "logit_programs": triton.cdiv(n_tiles, tiles), "DSPLIT": dsplit,
             "PV_BLOCK_N": pv_block_n(dsplit, cfg), "DENSE_CKV": dense}
 
@@ -834,6 +852,7 @@ def sparse_attention(
     block_tables: torch.Tensor,
     sink: torch.Tensor,
     softmax_scale: float,
+    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
@@ -846,13 +865,17 @@ def sparse_attention(
     the other's); topk int [T, k] (-1 = none; k may be 0);
     token_req int [T] request of each token; positions int [T]; per request (int [B]):
     start_pos (first position of the step), row_start (its first row in q / kv_new), slots,
-    floors (window keys below are invisible); block_tables int [B, max_blocks]; sink fp32 [H].
+    floors (window keys below are invisible); block_tables int [B, max_blocks]; sink fp32 [H];
+    inverse_rope: None, or the (cos, sin) tables [T, rd/2] the queries were rotated by: the
+    output's trailing rd channels leave rotated back (`ops.rope.apply_rope_(out, cos, sin,
+    inverse=True)`, the same bits), in the PV kernel's epilogue.
     `config` overrides entries of CONFIG for this call (tiling experiments).
     -> bf16 [T, H, D]. Shapes alone decide the launches (one pair per `launch_plan` slice of
     tokens): no host synchronisation (CUDA graphs)."""
     _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk)
     cfg = CONFIG if config is None else {**CONFIG, **config}
     t, h, dim = q.shape
+    cos, sin = _rope_tables(inverse_rope, t, dim, sink)
     window, per_block = ring_codes.shape[1], ckv_codes.shape[1]
     out = torch.empty(t, h, dim, dtype=torch.bfloat16, device=q.device)
     if t == 0:
@@ -897,10 +920,11 @@ def sparse_attention(
             **({"maxnreg": cfg["dense_logit_maxnreg"]} if dense and cfg["dense_logit_maxnreg"] else {}), **pdl_launch(q.device),
         )
         _pv_kernel[(n, triton.cdiv(h, bh) * plan["DSPLIT"])](
-            logits, stats, kv_new, ring_codes, ring_scale_bytes, ckv_codes, ckv_scale_arg, topk[rows], *index, sink, dense_keys, out[rows],
+            logits, stats, kv_new, ring_codes, ring_scale_bytes, ckv_codes, ckv_scale_arg, topk[rows], *index, sink, dense_keys,
+            cos[rows] if inverse_rope is not None else cos, sin[rows] if inverse_rope is not None else sin, out[rows],
             h, n_top, n_keys, dense_rows,
-            kv_new.stride(0), topk.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
+            kv_new.stride(0), topk.stride(0), block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1),
             WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=plan["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"], DENSE=dense, PIECE=piece,
-            **formats, num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"], **pdl_launch(logits.device),
+            ROPE_HALF=cos.shape[1] if inverse_rope is not None else 0, **formats, num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"], **pdl_launch(logits.device),
         )
     return out
