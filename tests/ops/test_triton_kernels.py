@@ -30,7 +30,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 tl = pytest.importorskip("triton.language")
 
 from dsv4.ops.triton import attention as tattn
-from dsv4.ops.triton import fp8_gemm, moe, rowwise
+from dsv4.ops.triton import fp8_gemm, moe
 
 BF16_REL = 2.0**-8  # half a bf16 ulp, relative
 REPO = Path(__file__).resolve().parents[2]
@@ -988,15 +988,16 @@ def _rope_angles(g, t: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("case,formats", [("mixed", "v41"), ("decode", "v41"), ("decode", "v4")])
 def test_sparse_attention_inverse_rope_in_the_epilogue(case, formats):
     """The PV epilogue's inverse RoPE gives the bits of `apply_rope_(out, cos, sin,
-    inverse=True)` on the output (the separate kernel it replaces), under every spread of the
-    channel slices: a slice holds both channels of its pairs, the rotated ones at the end."""
+    inverse=True)` on the output (torch's rotation, which the separate kernel it replaces
+    matches), under every spread of the channel slices: a slice holds both channels of its
+    pairs, the rotated ones at the end."""
     spec = ATTN_CASES[case]
     g = _gen(12)
     args, _, _ = _attention_case(g, **spec, formats=formats)
     dev = _on_device(args)
     cos, sin = (x.to(DEVICE) for x in _rope_angles(g, args["q"].shape[0], spec["dim"] // 8))
     plain = tattn.sparse_attention(**dev)
-    want = rowwise.apply_rope_(plain.clone(), cos, sin, inverse=True)
+    want = rope_ops.apply_rope_(plain.cpu().clone(), cos.cpu(), sin.cpu(), inverse=True).to(DEVICE)  # (torch ops on the CPU)
     assert not torch.equal(want, plain)
     for spread in ({}, *ATTN_SPREADS):
         y = tattn.sparse_attention(**dev, inverse_rope=(cos, sin), config=spread)

@@ -75,6 +75,7 @@ import triton.language as tl
 
 from dsv4.ops.triton.fp8_gemm import e2m1_pair_ptx, e8m0_to_fp32, num_sms, ptx_convert
 from dsv4.ops.triton.pdl import begin, pdl_launch
+from dsv4.ops.triton.rowwise import rotate_pairs
 
 # constexpr: the kernels read them (Python code uses .value)
 RING_SCALE_BLOCK = tl.constexpr(32)  # ue8m0 byte per 32 channels of a window key
@@ -663,16 +664,6 @@ def _pv_kernel(
 
 
 @triton.jit
-def _mul_rn(a, b, PTX: tl.constexpr):
-    """a * b in fp32, rounded on its own: never contracted with a following add into a fused
-    multiply-add (PTX's mul.rn; the interpreter's numpy never fuses)."""
-    if PTX:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return a * b
-
-
-@triton.jit
 def _inverse_rope(even, odd, cos_row, sin_row, pair, first, PTX: tl.constexpr):
     """The output's channel pairs `pair` (bf16 [BLOCK_H, NP] even and odd channels) with the pairs
     from `first` on rotated back by the token's angles (cos_row / sin_row: its tables' row,
@@ -681,10 +672,7 @@ def _inverse_rope(even, odd, cos_row, sin_row, pair, first, PTX: tl.constexpr):
     rot = pair >= first
     c = tl.load(cos_row + (pair - first), mask=rot, other=0.0).to(tl.float32)[None, :]
     s = -tl.load(sin_row + (pair - first), mask=rot, other=0.0).to(tl.float32)[None, :]
-    e = even.to(tl.float32)
-    o = odd.to(tl.float32)
-    e2 = _mul_rn(e, c, PTX) - _mul_rn(o, s, PTX)
-    o2 = _mul_rn(e, s, PTX) + _mul_rn(o, c, PTX)
+    e2, o2 = rotate_pairs(even.to(tl.float32), odd.to(tl.float32), c, s, PTX)
     return tl.where(rot[None, :], e2.to(tl.bfloat16), even), tl.where(rot[None, :], o2.to(tl.bfloat16), odd)
 
 
@@ -875,9 +863,9 @@ def sparse_attention(
     _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk)
     cfg = CONFIG if config is None else {**CONFIG, **config}
     t, h, dim = q.shape
-    cos, sin = _rope_tables(inverse_rope, t, dim, sink)
     window, per_block = ring_codes.shape[1], ckv_codes.shape[1]
     out = torch.empty(t, h, dim, dtype=torch.bfloat16, device=q.device)
+    cos, sin = _rope_tables(inverse_rope, t, dim, out)
     if t == 0:
         return out
     # kv_new and q are read and the output written in channel pairs (int32 words): 4-byte

@@ -35,6 +35,7 @@ from triton.language.extra import libdevice
 from dsv4.cache.storage import CKV_BLOCK, QTensor
 from dsv4.ops.triton.kv import _e2m1_code, _fp4_quantise, _load_fp32
 from dsv4.ops.triton.pdl import begin, pdl_launch
+from dsv4.ops.triton.rowwise import rotate_pairs
 
 _CKV_BLOCK = tl.constexpr(CKV_BLOCK)  # the kernel's view of it (jit code reads constexpr globals only)
 BLOCK_T, NUM_WARPS = 2, 4  # V4.1: rows per program (2 x 512 channels), warps
@@ -226,9 +227,9 @@ def _compress_kernel(
     c = tl.load(cos_ptr + rows[:, None] * stride_cos + rp, mask=rot, other=1.0).to(tl.float32)
     s = tl.load(sin_ptr + rows[:, None] * stride_cos + rp, mask=rot, other=0.0).to(tl.float32)
     fe, fo = ye.to(tl.float32), yo.to(tl.float32)
-    ec, os_, es, oc = fe * c, fo * s, fe * s, fo * c
-    xe = tl.where(rot, (ec - os_).to(tl.bfloat16).to(tl.float32), fe)
-    xo = tl.where(rot, (es + oc).to(tl.bfloat16).to(tl.float32), fo)
+    re, ro = rotate_pairs(fe, fo, c, s, False)  # (the launch disables fp fusion)
+    xe = tl.where(rot, re.to(tl.bfloat16).to(tl.float32), fe)
+    xo = tl.where(rot, ro.to(tl.bfloat16).to(tl.float32), fo)
     # the rows that complete a group not cached yet: their location, then the store
     write = tl.load(write_ptr + rows, mask=ok, other=0) != 0
     emit_from = tl.load(emit_from_ptr + req, mask=ok, other=0)

@@ -94,10 +94,24 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, V, M, lead, stride_xt, stride_xm, stri
 
 
 @triton.jit
-def _rotate(even, odd, c, s):
+def mul_rn(a, b, PTX: tl.constexpr):
+    """a * b in fp32 rounded on its own, in a kernel launched with fp fusion on: PTX's mul.rn
+    (compiled CUDA), which is never contracted with a following add into a fused
+    multiply-add; plain otherwise (the interpreter's numpy never fuses; launches with
+    enable_fp_fusion=False contract nothing)."""
+    if PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def rotate_pairs(even, odd, c, s, PTX: tl.constexpr):
     """The pairs (even, odd) rotated by the angles' cos c and sin s: (e*c - o*s, e*s + o*c),
-    each product rounded on its own, as the reference (launches disable fp fusion)."""
-    ec, os_, es, oc = even * c, odd * s, even * s, odd * c
+    each product rounded on its own, as the reference: this module's launches disable fp
+    fusion (PTX False); the attention's PV epilogue, whose launch cannot, takes PTX products
+    (`mul_rn`)."""
+    ec, os_, es, oc = mul_rn(even, c, PTX), mul_rn(odd, s, PTX), mul_rn(even, s, PTX), mul_rn(odd, c, PTX)
     return ec - os_, es + oc
 
 
@@ -116,7 +130,7 @@ def _rope_vectors(x_ptr, cos_ptr, sin_ptr, pid, V, M, lead, stride_xt, stride_xm
     s = tl.load(sin_ptr + t[:, None] * stride_c + p, mask=ok, other=0.0).to(tl.float32)
     if INVERSE:
         s = -s
-    e2, o2 = _rotate(even, odd, c, s)
+    e2, o2 = rotate_pairs(even, odd, c, s, False)
     tl.store(ch, tl.reshape(tl.join(e2, o2), (BLOCK_V, 2 * HALF)).to(x_ptr.dtype.element_ty), mask=ok)
 
 
@@ -129,7 +143,7 @@ def _rope_tail(y, c_ptrs, s_ptrs, ok, WIDTH: tl.constexpr, HALF: tl.constexpr, d
     rot = (tl.arange(0, WIDTH // 2) >= WIDTH // 2 - HALF)[None, :]
     c = tl.load(c_ptrs, mask=ok & rot, other=0.0).to(tl.float32)
     s = tl.load(s_ptrs, mask=ok & rot, other=0.0).to(tl.float32)
-    e2, o2 = _rotate(even, odd, c, s)
+    e2, o2 = rotate_pairs(even, odd, c, s, False)
     out = tl.join(tl.where(rot, e2, even), tl.where(rot, o2, odd))
     return tl.reshape(out, (y.shape[0], WIDTH)).to(dtype).to(tl.float32)
 
