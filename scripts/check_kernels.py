@@ -1241,6 +1241,12 @@ def attention_case(t: int) -> None:
     want = rowwise.apply_rope_(attention.sparse_attention(**args), cos, sin, inverse=True)
     same = torch.equal(attention.sparse_attention(**args, inverse_rope=(cos, sin)), want)
     record("sparse_attention", case, "inverse rope in the epilogue vs its own kernel", ok=same, same_bits=same)
+    # the output quantised for an FP8 projection in the epilogue (`fp8_output`) against
+    # fp8_act_quant on the bf16 output: the same codes and exponent bytes
+    codes, exps = attention.sparse_attention(**args, inverse_rope=(cos, sin), fp8_output=True)
+    want_codes, want_exps = fp8_gemm.fp8_act_quant(attention.sparse_attention(**args, inverse_rope=(cos, sin)).view(t, -1), 32)
+    same = torch.equal(codes.view(t, -1).view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(exps, want_exps)
+    record("sparse_attention", case, "fp8 output in the epilogue vs fp8_act_quant", ok=same, same_bits=same)
     plan = attention_plan(t, args["q"].device, attention.CONFIG)
     if plan["DENSE_CKV"]:  # the default read the dense copy: the cache-key form too, and its bits
         y = attention.sparse_attention(**args)
@@ -2696,8 +2702,9 @@ def attention_compile_targets() -> list[tuple]:
     caches = dict(idx, kv_new_ptr="*bf16:16", ring_ptr="*fp8e4nv:16", ring_scale_ptr="*u8:16", ckv_ptr="*u8:16", ckv_scale_ptr="*fp8e4nv:16", s_ptr="*bf16:16", stat_ptr="*fp32:16")
     logits = dict(caches, q_ptr="*bf16:16", dense_ptr="*bf16:16", H=a, n_top=a, n_keys=a, n_tiles="i32", tiles_per_program="i32", sm_scale="fp32",
                   dense_rows=a, stride_qt=a, stride_qh=a, stride_kv=a, stride_top=a, stride_bt=a)
-    pv = dict(caches, sink_ptr="*fp32:16", dense_ptr="*bf16:16", cos_ptr="*bf16:16", sin_ptr="*bf16:16", out_ptr="*bf16:16", H=a, n_top=a, n_keys=a,
-              dense_rows=a, stride_kv=a, stride_top=a, stride_bt=a, stride_rope=a, stride_ot=a, stride_oh=a)
+    pv = dict(caches, sink_ptr="*fp32:16", dense_ptr="*bf16:16", cos_ptr="*bf16:16", sin_ptr="*bf16:16", out_ptr="*bf16:16", out_exp_ptr="*u8:16",
+              H=a, n_top=a, n_keys=a, dense_rows=a, stride_kv=a, stride_top=a, stride_bt=a, stride_rope=a, stride_ot=a, stride_oh=a, stride_oe=a)
+    pv_fp8 = dict(pv, out_ptr="*fp8e4nv:16")  # FP8_OUT: the output quantised for wo_a (FP8 activations)
     shape = {"WINDOW": ATTN_SHAPE["window"], "PER_BLOCK": ATTN_SHAPE["per_block"], "DIM": ATTN_SHAPE["dim"]}
     out = []
     # wgmma only: that a head block or a channel slice (the MMA's N) leaves every element's
@@ -2721,11 +2728,14 @@ def attention_compile_targets() -> list[tuple]:
     for cfg in attention_pv_variants():
         c = {**attention.CONFIG, **cfg}
         n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-ATTN_SHAPE["top"] // c["LOGIT_BLOCK_N"])
-        for dense in (False, True) if default(c, ATTN_PV_KEYS) else (False,):
+        # the default's variants also with the dense copy's values, and (decode, the cache's) with the output in FP8
+        forms = [(False, False)] + ([(True, False), (False, True)] if default(c, ATTN_PV_KEYS) else [])
+        for dense, fp8_out in forms:
             consts = dict(shape, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["PV_BLOCK_N"], DSPLIT=c["DSPLIT"], DENSE=dense, PIECE=c["PIECE"], PTX=True,
-                          ROPE_HALF=ATTN_SHAPE["rope_half"], **V41_FORMATS)
-            label = f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']} tiles={n_tiles}{' dense' if dense else ''}"
-            out.append((label, attention._pv_kernel, pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
+                          ROPE_HALF=ATTN_SHAPE["rope_half"], FP8_OUT=fp8_out, **V41_FORMATS)
+            label = (f"attention pv DSPLIT={c['DSPLIT']} BN={c['PV_BLOCK_N']} w={c['pv_warps']} s={c['pv_stages']} tiles={n_tiles}"
+                     f"{' dense' if dense else ''}{' fp8 out' if fp8_out else ''}")
+            out.append((label, attention._pv_kernel, pv_fp8 if fp8_out else pv, consts, {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
     # V4-Flash: bf16 ring and compressed KV (the wrapper passes the values in the scale slots),
     # never the dense copy; CSA (top-512, ratio 4: 64 entries a block) and HCA (every visible
     # entry, ratio 128: 2 a block; 8192 of them at a 1M-token capacity, empty tiles skipped)
@@ -2741,7 +2751,7 @@ def attention_compile_targets() -> list[tuple]:
         n_tiles = -(-ATTN_SHAPE["window"] // c["LOGIT_BLOCK_N"]) + -(-top // c["LOGIT_BLOCK_N"])
         for dsplit in (*attention.AUTO_DSPLITS, *attention.WIDE_DSPLITS):  # the splits "auto" picks
             consts = dict(shape, PER_BLOCK=per_block, N_TILES=n_tiles, BLOCK_H=c["BLOCK_H"], BLOCK_N=attention.pv_block_n(dsplit, c),
-                          DSPLIT=dsplit, DENSE=False, PIECE=c["PIECE"], ROPE_HALF=ATTN_SHAPE["rope_half"], **formats)
+                          DSPLIT=dsplit, DENSE=False, PIECE=c["PIECE"], ROPE_HALF=ATTN_SHAPE["rope_half"], FP8_OUT=False, **formats)
             out.append((f"attention pv v4 DSPLIT={dsplit} per_block={per_block} tiles={n_tiles}", attention._pv_kernel, dict(pv, **raw), consts,
                         {"num_warps": c["pv_warps"], "num_stages": c["pv_stages"]}, "wgmma"))
     copy = {"ckv_ptr": "*u8:16", "ckv_scale_ptr": "*fp8e4nv:16", "block_table_ptr": "*i64:16", "dense_ptr": "*bf16:16", "n_blocks": "i32", "entries": a, "stride_bt": a}

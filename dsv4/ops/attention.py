@@ -56,7 +56,7 @@ def rope_queries_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx_q: 
 
 
 def sparse_attention(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale: float,
-                     inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None, fp8_output: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D] (after RoPE); kv_new [T, D] this step's window keys (rounded as the ring stores them); ring
     FP8 codes [S, W, D] + ue8m0 bytes [S, W, D/32]; compressed KV packed FP4 [NB, P, D/2] +
     E4M3 scales [NB, P, D/16] — or, for V4's caches in the compute dtype, the values [S, W, D]
@@ -66,14 +66,17 @@ def sparse_attention(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, 
     floors (window keys below are invisible); block_tables [B, max_blocks]; sink fp32 [H];
     inverse_rope: None, or the (cos, sin) [T, rd/2] the queries were rotated by, to rotate the
     output's trailing rd channels back (`apply_rope_(out, cos, sin, inverse=True)`; the kernel
-    does it in its epilogue). -> [T, H, D] in q's dtype."""
+    does it in its epilogue). fp8_output: the output as an FP8 projection's input instead —
+    (float8_e4m3fn codes [T, H, D], exponent bytes [T, H * D / ACT_BLOCK]), the output quantised
+    per ACT_BLOCK channels (`quant.quantize_fp8_ue8m0`; the kernel in its epilogue).
+    -> [T, H, D] in q's dtype (or the pair above)."""
     if on_triton(q) and q.dtype == torch.bfloat16:
         from dsv4.ops.triton.attention import sparse_attention as kernel
 
         return kernel(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale,
-                      inverse_rope)
+                      inverse_rope, fp8_output)
     return sparse_attention_reference(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk, token_req, positions, start_pos, row_start, slots, floors, block_tables, sink, softmax_scale,
-                                      inverse_rope)
+                                      inverse_rope, fp8_output)
 
 
 def sparse_attention_reference(
@@ -94,8 +97,9 @@ def sparse_attention_reference(
     sink: torch.Tensor,
     softmax_scale: float,
     inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8_output: bool = False,
     chunk: int = 256,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of `sparse_attention` (same signature; `chunk` bounds the gathered keys'
     memory): gathers and dequantises every key a query may see, then computes the softmax of
     `Attention._attend` — bf16 logits, fp32 softmax with the sink column, bf16 probabilities."""
@@ -135,4 +139,9 @@ def sparse_attention_reference(
         sinks = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
         probs = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1].to(q.dtype)
         out[rows] = torch.einsum("nhk,nkd->nhd", probs, keys)
-    return out if inverse_rope is None else apply_rope_(out, *inverse_rope, inverse=True)
+    if inverse_rope is not None:
+        apply_rope_(out, *inverse_rope, inverse=True)
+    if fp8_output:
+        codes, exps = quant.quantize_fp8_ue8m0(out.reshape(t, h * dim), quant.ACT_BLOCK)
+        return codes.view(t, h, dim), exps
+    return out

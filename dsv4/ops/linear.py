@@ -156,23 +156,44 @@ def stack_rows(parts: list[Linear]) -> tuple[Linear, list[Linear]]:
     return whole, whole.split_rows(rows)
 
 
-def grouped_linear(x: torch.Tensor, whole: Linear, parts: list[Linear]) -> torch.Tensor:
+def _grouped_kernel(whole: Linear, groups: int, rows: int, k: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """How `grouped_linear` runs an input [rows, groups, k] of `dtype` on `device` through one
+    launch of the weight-only kernel: "fp8" (FP8 x FP8 from the input's codes: FP8
+    activations, whole 32-input blocks, each group's its own), "bf16", or None (compact FP8 on
+    the GPU, decode-sized and fitting the kernel's tiles only; otherwise a projection per group)."""
+    if whole.scale is None or whole.row_scales or device.type != "cuda" or dtype != torch.bfloat16 or rows >= DENSE_GEMM_ROWS:
+        return None
+    from dsv4.ops.triton import fp8_gemm
+
+    fp8_inputs = whole.quant_input and k % quant.ACT_BLOCK == 0
+    if not fp8_gemm.grouped_fits(whole.out_features // groups, rows, fp8_inputs):
+        return None
+    return "fp8" if fp8_inputs else "bf16"
+
+
+def grouped_takes_codes(whole: Linear, groups: int, rows: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `grouped_linear` multiplies the FP8 codes of its input [rows, groups, k]
+    (`fp8_act_quant`'s), so that the input's producer may hand them over instead (the
+    attention quantises its output in its epilogue)."""
+    return _grouped_kernel(whole, groups, rows, k, dtype, device) == "fp8"
+
+
+def grouped_linear(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], whole: Linear, parts: list[Linear]) -> torch.Tensor:
     """A block-diagonal projection: x [R, G, K] (G groups of K inputs) -> [R, G * N_g], group g
     through `parts[g]` (rows g*N_g .. of `whole`). Compact FP8 on the GPU, decode-sized: one
-    launch of the weight-only kernel for all groups; otherwise one projection per group."""
+    launch of the weight-only kernel for all groups; otherwise one projection per group.
+    Where `grouped_takes_codes` holds, x may come as its FP8 codes [R, G, K] and exponent bytes
+    [R, G * K / ACT_BLOCK] (`fp8_act_quant` of x.view(R, -1))."""
     groups = len(parts)
-    rows = x.shape[0]
-    if whole.scale is not None and not whole.row_scales and x.is_cuda and x.dtype == torch.bfloat16 and rows < DENSE_GEMM_ROWS:
-        from dsv4.ops.triton import fp8_gemm
+    kind = "codes" if isinstance(x, tuple) else _grouped_kernel(whole, groups, x.shape[0], x.shape[-1], x.dtype, x.device)
+    if kind is None:
+        if whole.quant_input:  # per block of a group's inputs (K), as each part would
+            x = quantise_input(x)
+        return torch.cat([w.matmul(x[:, g]) for g, w in enumerate(parts)], dim=-1)
+    from dsv4.ops.triton import fp8_gemm
 
-        fp8_inputs = whole.quant_input and x.shape[-1] % quant.ACT_BLOCK == 0  # FP8 x FP8 (each group's blocks its own)
-        if fp8_gemm.grouped_fits(whole.out_features // groups, rows, fp8_inputs):
-            flat = x.reshape(rows, -1)
-            if fp8_inputs:
-                codes, exps = fp8_gemm.fp8_act_quant(flat, quant.ACT_BLOCK)
-                return fp8_gemm.fp8_linear_w8a16(codes, whole.weight, whole.scale, whole.block, groups=groups, x_scale=exps)
-            return fp8_gemm.fp8_linear_w8a16(quantise_input(x).reshape(rows, -1) if whole.quant_input else flat,
-                                             whole.weight, whole.scale, whole.block, groups=groups)
-    if whole.quant_input:  # per block of a group's inputs (K), as each part would
-        x = quantise_input(x)
-    return torch.cat([w.matmul(x[:, g]) for g, w in enumerate(parts)], dim=-1)
+    if kind == "bf16":
+        return fp8_gemm.fp8_linear_w8a16((quantise_input(x) if whole.quant_input else x).reshape(x.shape[0], -1),
+                                         whole.weight, whole.scale, whole.block, groups=groups)
+    codes, exps = x if kind == "codes" else fp8_gemm.fp8_act_quant(x.reshape(x.shape[0], -1), quant.ACT_BLOCK)
+    return fp8_gemm.fp8_linear_w8a16(codes.reshape(codes.shape[0], -1), whole.weight, whole.scale, whole.block, groups=groups, x_scale=exps)

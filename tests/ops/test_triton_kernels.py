@@ -22,7 +22,7 @@ from dsv4.ops import attention as attention_ops
 from dsv4.ops import kv as kvops
 from dsv4.ops import moe as moe_ref
 from dsv4.ops import rope as rope_ops
-from dsv4.ops.linear import Linear
+from dsv4.ops.linear import Linear, grouped_linear, grouped_takes_codes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/ops/conftest.py set TRITON_INTERPRET=1
 
@@ -1004,6 +1004,54 @@ def test_sparse_attention_inverse_rope_in_the_epilogue(case, formats):
         assert torch.equal(y, want), spread
     ref = attention_ops.sparse_attention_reference(**args, inverse_rope=(cos.cpu(), sin.cpu()))
     assert torch.equal(ref, rope_ops.apply_rope_(attention_ops.sparse_attention_reference(**args), cos.cpu(), sin.cpu(), inverse=True))
+
+
+@pytest.mark.parametrize("case,formats", [("mixed", "v41"), ("decode", "v41"), ("window_only", "v41")])
+def test_sparse_attention_fp8_output_in_the_epilogue(case, formats):
+    """`fp8_output`: the PV epilogue quantises the output for an FP8 projection (per 32
+    channels, power-of-two exponent) with the bits torch's quantiser gives on the bf16 output,
+    with and without the inverse RoPE, under every spread of the channel slices (each holds
+    whole 32-channel blocks)."""
+    spec = ATTN_CASES[case]
+    g = _gen(14)
+    args, _, _ = _attention_case(g, **spec, formats=formats)
+    dev = _on_device(args)
+    t, h, dim = args["q"].shape
+    cos, sin = (x.to(DEVICE) for x in _rope_angles(g, t, dim // 8))
+    for rope in (None, (cos, sin)):
+        plain = tattn.sparse_attention(**dev, inverse_rope=rope).cpu()
+        want_codes, want_exps = quant.quantize_fp8_ue8m0(plain.reshape(t, h * dim), 32)
+        assert len(set(want_exps.flatten().tolist())) > 1  # blocks of other scales
+        for spread in ({}, *ATTN_SPREADS):
+            codes, exps = tattn.sparse_attention(**dev, inverse_rope=rope, fp8_output=True, config=spread)
+            assert codes.dtype == torch.float8_e4m3fn and codes.shape == (t, h, dim) and exps.shape == (t, h * dim // 32)
+            assert torch.equal(codes.cpu().view(torch.uint8).reshape(t, -1), want_codes.view(torch.uint8)), (rope is not None, spread)
+            assert torch.equal(exps.cpu(), want_exps), (rope is not None, spread)
+
+
+def test_attention_fp8_output_feeds_the_grouped_projection():
+    """What the model hands wo_a under FP8 activations at decode: the attention's FP8 output
+    (`fp8_output`) through `grouped_linear` as codes and exponent bytes, against the per-group
+    projections of the bf16 output quantised per block (`quantise_input`, bf16 products)."""
+    spec = ATTN_CASES["decode"]
+    g = _gen(15)
+    args, _, _ = _attention_case(g, **spec, formats="v41")
+    dev = _on_device(args)
+    t, h, dim = args["q"].shape
+    groups, group_rows = 2, 64
+    k = h * dim // groups
+    weight = (torch.randn(groups * group_rows, k, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    scale = torch.randint(118, 130, (groups * group_rows // 32, k // 32), generator=g, dtype=torch.uint8)
+    whole = Linear(weight.to(DEVICE), scale.to(DEVICE), 32, quant_input=True)
+    parts = whole.split_rows([group_rows] * groups)
+    # the shapes the model asks about take the codes (on the GPU; the CPU's dtype and device aside)
+    assert grouped_takes_codes(whole, groups, t, k, torch.bfloat16, torch.device("cuda"))
+    assert not grouped_takes_codes(whole, groups, t, k, torch.bfloat16, torch.device("cpu"))
+    codes, exps = tattn.sparse_attention(**dev, fp8_output=True)
+    y = grouped_linear((codes.reshape(t, groups, k), exps), whole, parts)
+    want = grouped_linear(tattn.sparse_attention(**dev).reshape(t, groups, k), whole, parts)
+    assert y.shape == want.shape == (t, groups * group_rows)
+    assert _rel_err(y, want) <= 2 * BF16_REL
 
 
 def test_sparse_attention_rejects_bad_rope_tables():

@@ -31,7 +31,7 @@ from dsv4.ops import attention as attention_ops
 from dsv4.ops import compressor as compressor_ops
 from dsv4.ops import indexer as index_ops
 from dsv4.ops import kv as kvops
-from dsv4.ops.linear import Linear, grouped_linear, linear, linear_fp32, stack_rows
+from dsv4.ops.linear import Linear, grouped_linear, grouped_takes_codes, linear, linear_fp32, stack_rows
 from dsv4.ops.norm import head_norm, rms_norm
 from dsv4.ops.rope import RopeTables, apply_rope, apply_rope_
 
@@ -626,18 +626,27 @@ class Attention:
             ckv = cache.ckv[role.kv_source]
         else:
             topk, ckv = torch.full((rows.num_rows, 0), -1, dtype=torch.int32, device=x.device), _no_entries(cache)
+        # FP8 activations at decode: the output leaves the attention's epilogue as wo_a's FP8 input
+        g = cfg.o_groups
+        fp8_output = grouped_takes_codes(self.wo_a, g, q.shape[0], h * hd // g, q.dtype, q.device)
         out = attention_ops.sparse_attention(
             q, kv, *_stored(ring), *_stored(ckv), topk, rows.req, rows.positions, rows.start,
-            rows.row0, step.slots, rows.floor, step.block_tables, self.sink, hd**-0.5, inverse_rope=(cos, sin),
+            rows.row0, step.slots, rows.floor, step.block_tables, self.sink, hd**-0.5, inverse_rope=(cos, sin), fp8_output=fp8_output,
         )
         kvops.store_rows(ring, "window", kv, (rows.slot, rows.ring_pos), rows.ring_keep)  # after attention: queries read the old ring
         return self.project_out(out)
 
-    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+    def project_out(self, out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The grouped low-rank output projection: heads [R, H, D] in o_groups groups, each
-        through its slice of wo_a, then wo_b."""
+        through its slice of wo_a, then wo_b. `out` may be the heads' FP8 codes and exponent
+        bytes (`sparse_attention(..., fp8_output=True)`, where `grouped_takes_codes` says wo_a
+        multiplies them)."""
         g = self.cfg.o_groups
-        grouped = out.reshape(out.shape[0], g, out.shape[1] * out.shape[2] // g)
+        if isinstance(out, tuple):
+            codes, exps = out
+            grouped = (codes.reshape(codes.shape[0], g, -1), exps)
+        else:
+            grouped = out.reshape(out.shape[0], g, out.shape[1] * out.shape[2] // g)
         return self.wo_b(grouped_linear(grouped, self.wo_a, self.wo_a_groups))
 
     def _compressed_keys(self, segs, batch, cache, shared, dtype):

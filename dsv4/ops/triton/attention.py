@@ -39,9 +39,11 @@ at 8 warps) leaves too few registers for the logits and the key dequantisation i
    (the A operand from registers) times the dequantised values of its output channel pairs
    (shared memory) into two fp32 accumulators (even and odd channels); its epilogue divides by
    the denominator, rounds to bf16 and, where the caller passes the angles, rotates the RoPE
-   channels back (the inverse RoPE the output projection needs, no launch of its own). The selected entries' tiles load a tile ahead
-   by the loop itself, into registers (values and logits one tile ahead, cache blocks two,
-   entries three): a value's address needs its entry and cache block, and the compiler's
+   channels back (the inverse RoPE the output projection needs, no launch of its own); with
+   `fp8_output` it then quantises the output as wo_a's FP8 input (FP8 activations: codes and
+   an exponent byte per 32 channels, the bits `fp8_act_quant` gives, no launch of its own).
+   The selected entries' tiles load a tile ahead by the loop itself, into registers (values
+   and logits one tile ahead, cache blocks two, entries three): a value's address needs its entry and cache block, and the compiler's
    pipelining of that chain waited at every tile for all the copies the tile before had
    issued, exposing a load latency per tile (attention_sweep, H100, both kernels: one token
    30.2 -> 25.6 us, 8 tokens 38.8 -> 31.9, 64 tokens 112 -> 98, 256 tokens 294 -> 265; a
@@ -73,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import e2m1_pair_ptx, e8m0_to_fp32, num_sms, ptx_convert
+from dsv4.ops.triton.fp8_gemm import FP8_MAX, e2m1_pair_ptx, e8m0_to_fp32, num_sms, pow2, pow2_ceil_exponent, ptx_convert, round_to_e4m3
 from dsv4.ops.triton.pdl import begin, pdl_launch
 from dsv4.ops.triton.rowwise import rotate_pairs
 
@@ -574,18 +576,22 @@ def _top_decode(x, y, NP: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constex
 def _pv_kernel(
     s_ptr, stat_ptr, kv_new_ptr, ring_ptr, ring_scale_ptr, ckv_ptr, ckv_scale_ptr, topk_ptr,
     token_req_ptr, pos_ptr, start_ptr, row_ptr, slot_ptr, floor_ptr, block_table_ptr, sink_ptr, dense_ptr, cos_ptr, sin_ptr, out_ptr,
-    H, n_top, n_keys, dense_rows,
-    stride_kv, stride_top, stride_bt, stride_rope, stride_ot, stride_oh,
+    out_exp_ptr, H, n_top, n_keys, dense_rows,
+    stride_kv, stride_top, stride_bt, stride_rope, stride_ot, stride_oh, stride_oe,
     WINDOW: tl.constexpr, PER_BLOCK: tl.constexpr, DIM: tl.constexpr, N_TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DSPLIT: tl.constexpr, DENSE: tl.constexpr, PIECE: tl.constexpr, ROPE_HALF: tl.constexpr,
-    RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    FP8_OUT: tl.constexpr, RING_RAW: tl.constexpr, CKV_RAW: tl.constexpr, SKIP_EMPTY: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (token, head block x channel slice): slice r of DSPLIT holds the channel pairs
     r * NP .. (r + 1) * NP - 1, their even channels in one accumulator and their odd ones in
     another. DENSE: the compressed values from the dense copy (pieces of PIECE pairs).
     RING_RAW / CKV_RAW: the ring / the compressed KV hold bf16 values (no scales). PTX: as the
     logits kernel's. ROPE_HALF > 0: the output's last ROPE_HALF pairs leave inverse-RoPE'd by
-    the token's cos / sin (`_inverse_rope`); a slice holds both channels of its pairs for it."""
+    the token's cos / sin (`_inverse_rope`); a slice holds both channels of its pairs for it.
+    FP8_OUT: the output leaves as the next projection's FP8 input (`fp8_gemm.fp8_act_quant`'s
+    codes into out_ptr, exponent bytes per 32 channels into out_exp_ptr [T, H * DIM / 32]),
+    quantised from the rounded (and rotated) values, so the same bits as quantising the bf16
+    output; a slice holds whole 32-channel blocks (its pairs are whole ring scale groups)."""
     begin(PDL)
     NP: tl.constexpr = DIM // 2 // DSPLIT  # channel pairs of the slice
     tok = tl.program_id(0).to(tl.int64)
@@ -658,9 +664,24 @@ def _pv_kernel(
     if ROPE_HALF > 0:
         even, odd = _inverse_rope(even, odd, cos_ptr + tok * stride_rope, sin_ptr + tok * stride_rope, pair, DIM // 2 - ROPE_HALF, PTX)
     row = tok * stride_ot + heads[:, None] * stride_oh
-    lo = even.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # one int32 word of two channels per store
-    hi = odd.to(tl.int16, bitcast=True).to(tl.int32) << 16
-    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + row // 2 + pair[None, :], lo | hi, mask=h_ok[:, None])
+    if FP8_OUT:  # a block of 32 channels is 16 pairs: its even and odd halves quantised with one exponent
+        BLOCKS: tl.constexpr = NP // (RING_SCALE_BLOCK // 2)
+        which = tl.arange(0, NP)[None, :] // (RING_SCALE_BLOCK // 2)  # each pair's block in the slice
+        ev, od = even.to(tl.float32), odd.to(tl.float32)
+        mag = tl.maximum(tl.abs(ev), tl.abs(od))
+        unit = tl.zeros((BLOCK_H, NP), dtype=tl.float32)
+        for b in tl.static_range(BLOCKS):  # (per block over the whole tile: no reshape of the MMA layout)
+            amax = tl.maximum(tl.max(tl.where(which == b, mag, 0.0), axis=1), 1e-4)
+            exp = pow2_ceil_exponent(amax * (1.0 / FP8_MAX))  # (`fp8_gemm.fp8_quantise`'s rule)
+            unit = tl.where(which == b, pow2(-exp)[:, None], unit)
+            tl.store(out_exp_ptr + tok * stride_oe + (heads * DIM + 2 * p0) // RING_SCALE_BLOCK + b, (exp + 127).to(tl.uint8), mask=h_ok)
+        lo = round_to_e4m3(ev * unit).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int16)
+        hi = round_to_e4m3(od * unit).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int16)
+        tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + row // 2 + pair[None, :], lo | (hi << 8), mask=h_ok[:, None])  # one 16-bit store per pair
+    else:
+        lo = even.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # one int32 word of two channels per store
+        hi = odd.to(tl.int16, bitcast=True).to(tl.int32) << 16
+        tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + row // 2 + pair[None, :], lo | hi, mask=h_ok[:, None])
 
 
 @triton.jit
@@ -841,9 +862,10 @@ def sparse_attention(
     sink: torch.Tensor,
     softmax_scale: float,
     inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8_output: bool = False,
     *,
     config: dict | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA over window ring + selected compressed entries (module docstring).
 
     q bf16 [T, H, D] (after RoPE); kv_new bf16 [T, D] this step's window keys; ring_codes
@@ -857,17 +879,22 @@ def sparse_attention(
     inverse_rope: None, or the (cos, sin) tables [T, rd/2] the queries were rotated by: the
     output's trailing rd channels leave rotated back (`ops.rope.apply_rope_(out, cos, sin,
     inverse=True)`, the same bits), in the PV kernel's epilogue.
+    fp8_output: the output as an FP8 projection's input instead, quantised in the same
+    epilogue: (float8_e4m3fn codes [T, H, D], exponent bytes uint8 [T, H * D / 32]) — the bits of
+    `fp8_gemm.fp8_act_quant(out.view(T, -1), 32)` without its launch.
     `config` overrides entries of CONFIG for this call (tiling experiments).
-    -> bf16 [T, H, D]. Shapes alone decide the launches (one pair per `launch_plan` slice of
-    tokens): no host synchronisation (CUDA graphs)."""
+    -> bf16 [T, H, D] (or the pair above). Shapes alone decide the launches (one pair per
+    `launch_plan` slice of tokens): no host synchronisation (CUDA graphs)."""
     _check(q, kv_new, ring_codes, ring_scales, ckv_codes, ckv_scales, topk)
     cfg = CONFIG if config is None else {**CONFIG, **config}
     t, h, dim = q.shape
     window, per_block = ring_codes.shape[1], ckv_codes.shape[1]
-    out = torch.empty(t, h, dim, dtype=torch.bfloat16, device=q.device)
+    out = torch.empty(t, h, dim, dtype=torch.float8_e4m3fn if fp8_output else torch.bfloat16, device=q.device)
+    # FP8 output: exponent bytes per 32 channels, the blocks the slices hold whole (`launch_plan`)
+    out_exps = torch.empty(t, h * dim // RING_SCALE_BLOCK.value if fp8_output else 0, dtype=torch.uint8, device=q.device)
     cos, sin = _rope_tables(inverse_rope, t, dim, out)
     if t == 0:
-        return out
+        return (out, out_exps) if fp8_output else out
     # kv_new and q are read and the output written in channel pairs (int32 words): 4-byte
     # aligned starts and even strides, else a fresh copy (`contiguous` would keep a
     # contiguous view that starts mid-word)
@@ -910,9 +937,9 @@ def sparse_attention(
         _pv_kernel[(n, triton.cdiv(h, bh) * plan["DSPLIT"])](
             logits, stats, kv_new, ring_codes, ring_scale_bytes, ckv_codes, ckv_scale_arg, topk[rows], *index, sink, dense_keys,
             cos[rows] if inverse_rope is not None else cos, sin[rows] if inverse_rope is not None else sin, out[rows],
-            h, n_top, n_keys, dense_rows,
-            kv_new.stride(0), topk.stride(0), block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1),
+            out_exps[rows], h, n_top, n_keys, dense_rows,
+            kv_new.stride(0), topk.stride(0), block_tables.stride(0), cos.stride(0), out.stride(0), out.stride(1), out_exps.stride(0),
             WINDOW=window, PER_BLOCK=per_block, DIM=dim, N_TILES=n_tiles, BLOCK_H=bh, BLOCK_N=plan["PV_BLOCK_N"], DSPLIT=plan["DSPLIT"], DENSE=dense, PIECE=piece,
-            ROPE_HALF=cos.shape[1] if inverse_rope is not None else 0, **formats, num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"], **pdl_launch(logits.device),
+            ROPE_HALF=cos.shape[1] if inverse_rope is not None else 0, FP8_OUT=fp8_output, **formats, num_warps=cfg["pv_warps"], num_stages=cfg["pv_stages"], **pdl_launch(logits.device),
         )
-    return out
+    return (out, out_exps) if fp8_output else out
