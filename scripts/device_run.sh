@@ -12,7 +12,7 @@
 # knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS='... ...'" (a variant is eval'd: quote a value with spaces), or bench flags: AB_ENV="AB_FLAGS=--fp4-experts"), KNOBS (module globals or dict entries the bench runs under, Python literals:
 # KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"; a dotted path
 # walks nested tables, digits indexing tuples: KNOBS=dsv4.ops.triton.moe:MOE.rows.4.1.gate_up.maxnreg=128),
-# PROFILE_CASES, PROFILE_ARGS (per-kernel table of graph replays, step `profile`; PROFILE_ARGS=--torch-ops adds
+# PROFILE_CASES, PROFILE_ARGS (per-kernel table of graph replays, step `profile`, under the KNOBS as well; PROFILE_ARGS=--torch-ops adds
 # the eager step's aten ops by source line, --timeline one replay's kernels in order in profile.json).
 # Results under $OUT.
 set -uo pipefail
@@ -32,14 +32,16 @@ exit_said() {  # exit_said RC WHAT LIMIT
   echo "$2: exit $1$([ "$1" = 124 ] && echo " (timed out after $3 s; the first process compiles every kernel: give it ~200 s)")" | tee -a "$LOG"
 }
 
-# `dsv4 bench forward` under `timeout $1` with the rest as arguments, under the KNOBS (below,
-# the kernels step adds MoE byte reads when the real-shape MoE check fails on this GPU).
-bench() {
+# `knobbed LIMIT SCRIPT ARGS...`: python SCRIPT ARGS (SCRIPT "dsv4": the dsv4 CLI) under
+# `timeout LIMIT` and the KNOBS (below, the kernels step adds MoE byte reads when the
+# real-shape MoE check fails on this GPU); `bench LIMIT ARGS...`: `dsv4 bench forward` so.
+knobbed() {
   local limit=$1
   shift
   timeout "$limit" python -P - "$@" <<PY  # -P: no cwd on sys.path, so PYTHONPATH picks the tree (AB_ENV's ab_old)
 import ast
 import importlib
+import runpy
 import sys
 for knob in "${KNOBS:-}".split():  # module:NAME=value or module:DICT.key=value (a Python literal)
     target, value = knob.split("=", 1)
@@ -54,9 +56,18 @@ for knob in "${KNOBS:-}".split():  # module:NAME=value or module:DICT.key=value 
     else:
         setattr(mod, name, value)
     print(f"knob {knob}")
-from dsv4.cli import main
-sys.exit(main(["bench", "forward", *sys.argv[1:]]))
+script, *args = sys.argv[1:]
+if script == "dsv4":
+    from dsv4.cli import main
+    sys.exit(main(args))
+sys.argv = [script, *args]
+runpy.run_path(script, run_name="__main__")
 PY
+}
+bench() {
+  local limit=$1
+  shift
+  knobbed "$limit" dsv4 bench forward "$@"
 }
 
 if want kernels; then
@@ -138,7 +149,7 @@ if want kernels_ab; then  # kernel A/B: check_kernels' `defaults` section once p
 fi
 if want profile; then  # which kernels a step's time goes to (scripts/profile_step.py)
   echo "=== profile" | tee -a "$LOG"
-  timeout "${PROFILE_TIMEOUT:-200}" python scripts/profile_step.py ${PROFILE_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768 d256_8k=256*1@8192 p8k=8192} \
+  knobbed "${PROFILE_TIMEOUT:-200}" scripts/profile_step.py ${PROFILE_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768 d256_8k=256*1@8192 p8k=8192} \
     ${PROFILE_ARGS:-} --json "$OUT/profile.json" 2>&1 | grep -v -E "Warning|warn_once" | tee "$OUT/profile.txt" | tee -a "$LOG" | grep -E "^==" 
 fi
 # Nsight Compute, where the image has it: sets NCU, or says there is none (steps ncu, ncu_source)

@@ -132,14 +132,33 @@ def _fake_tree(root: Path, name: str) -> None:
     (root / "dsv4" / "cli.py").write_text(f"def main(argv):\n    print({name!r}, argv)\n    return 0\n")
 
 
+def _device_run_functions(*names: str) -> str:
+    """The text of device_run.sh's shell functions `names`."""
+    script = (REPO / "scripts" / "device_run.sh").read_text()
+    starts = [script.index(f"{name}() {{") for name in names]
+    return "".join(script[start : script.index("\n}\n", start) + 3] for start in starts)
+
+
+def test_device_run_runs_scripts_under_the_knobs(tmp_path):
+    """`knobbed` runs a script (the profile step's profile_step.py) as __main__ with its
+    arguments, after setting the KNOBS in the modules it imports: a module global and an entry
+    of a nested table."""
+    _fake_tree(tmp_path, "new")
+    (tmp_path / "dsv4" / "knobs.py").write_text("FLAG = False\nTABLE = {'rows': ({'n': 1},)}\n")
+    (tmp_path / "show.py").write_text("import sys\nfrom dsv4 import knobs\nprint(__name__, sys.argv[1:], knobs.FLAG, knobs.TABLE['rows'][0]['n'])\n")
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(tmp_path),
+           "KNOBS": "dsv4.knobs:FLAG=True dsv4.knobs:TABLE.rows.0.n=7"}
+    out = subprocess.run(["bash", "-c", _device_run_functions("knobbed") + "\nknobbed 60 show.py --x 1"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.splitlines()[-1] == "__main__ ['--x', '1'] True 7", out
+
+
 @pytest.mark.parametrize("tree", ["old", "new"])
 def test_device_run_bench_imports_the_tree_pythonpath_names(tmp_path, tree):
     """device_run.sh's `bench` runs from the checkout's root, where its own dsv4/ sits; an A/B
     variant's PYTHONPATH (AB_ENV='PYTHONPATH=$PWD/ab_old') must still decide which tree the
     bench imports (a stdin script's directory would otherwise come first on sys.path)."""
-    script = (REPO / "scripts" / "device_run.sh").read_text()
-    start = script.index("bench() {")
-    function = script[start : script.index("\n}\n", start) + 3]
+    function = _device_run_functions("knobbed", "bench")
     checkout = tmp_path / "checkout"
     _fake_tree(checkout, "new")
     _fake_tree(checkout / "ab_old", "old")
