@@ -111,14 +111,15 @@ class Checker:
     def __init__(self):
         self.errors: dict[str, list[float]] = collections.defaultdict(list)
 
-    def wrap(self, module, name: str, reference, compare=None) -> None:
-        """`compare(out, ref, *args)` -> error; default: `_rel(out, ref)`."""
+    def wrap(self, module, name: str, reference, compare=None, key=None) -> None:
+        """`compare(out, ref, *args)` -> error; default: `_rel(out, ref)`. `key(out)` -> the
+        tolerance entry the error counts under (an output form with its own; default: name)."""
         kernel = getattr(module, name)
         compare = compare or (lambda out, ref, *args, **kwargs: _rel(out, ref))
 
         def checked(*args, **kwargs):
             out = kernel(*args, **kwargs)
-            self.errors[name].append(compare(out, _reference(reference, *args, **kwargs), *args, **kwargs))
+            self.errors[key(out) if key else name].append(compare(out, _reference(reference, *args, **kwargs), *args, **kwargs))
             return out
 
         setattr(module, name, checked)
@@ -218,19 +219,15 @@ class Checker:
 
 def install(checker: Checker) -> None:
     c = checker
-    kernel = t_attention.sparse_attention
+    def attention_error(out, ref, *args, **kwargs):
+        if not isinstance(out, tuple):
+            return _rel(out, ref)
+        # FP8 codes and exponent bytes (`fp8_output`): compared as the values they stand for
+        values = [quant.dequantize_fp8_ue8m0(codes.reshape(codes.shape[0], -1), exps, torch.float32) for codes, exps in (out, ref)]
+        return _rel(*values) if out[0].shape == ref[0].shape else float("inf")
 
-    def attention_checked(*args, **kwargs):
-        out = kernel(*args, **kwargs)
-        ref = _reference(attention.sparse_attention, *args, **kwargs)
-        if isinstance(out, tuple):  # FP8 codes and exponent bytes (`fp8_output`)
-            values = [quant.dequantize_fp8_ue8m0(codes.reshape(codes.shape[0], -1), exps, torch.float32) for codes, exps in (out, ref)]
-            c.errors["sparse_attention_fp8"].append(_rel(*values) if out[0].shape == ref[0].shape else float("inf"))
-        else:
-            c.errors["sparse_attention"].append(_rel(out, ref))
-        return out
-
-    t_attention.sparse_attention = attention_checked
+    c.wrap(t_attention, "sparse_attention", attention.sparse_attention, compare=attention_error,
+           key=lambda out: "sparse_attention_fp8" if isinstance(out, tuple) else "sparse_attention")
 
     def scores(out, ref, *args, **kwargs):
         ok = _valid_cols(out, args[6])

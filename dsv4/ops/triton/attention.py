@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import FP8_MAX, e2m1_pair_ptx, e8m0_to_fp32, num_sms, pow2, pow2_ceil_exponent, ptx_convert, round_to_e4m3
+from dsv4.ops.triton.fp8_gemm import e2m1_pair_ptx, e8m0_to_fp32, fp8_exponent, num_sms, pow2, ptx_convert, round_to_e4m3
 from dsv4.ops.triton.pdl import begin, pdl_launch
 from dsv4.ops.triton.rowwise import rotate_pairs
 
@@ -671,8 +671,7 @@ def _pv_kernel(
         mag = tl.maximum(tl.abs(ev), tl.abs(od))
         unit = tl.zeros((BLOCK_H, NP), dtype=tl.float32)
         for b in tl.static_range(BLOCKS):  # (per block over the whole tile: no reshape of the MMA layout)
-            amax = tl.maximum(tl.max(tl.where(which == b, mag, 0.0), axis=1), 1e-4)
-            exp = pow2_ceil_exponent(amax * (1.0 / FP8_MAX))  # (`fp8_gemm.fp8_quantise`'s rule)
+            exp = fp8_exponent(tl.max(tl.where(which == b, mag, 0.0), axis=1))
             unit = tl.where(which == b, pow2(-exp)[:, None], unit)
             tl.store(out_exp_ptr + tok * stride_oe + (heads * DIM + 2 * p0) // RING_SCALE_BLOCK + b, (exp + 127).to(tl.uint8), mask=h_ok)
         lo = round_to_e4m3(ev * unit).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int16)

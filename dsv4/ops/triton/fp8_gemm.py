@@ -104,14 +104,19 @@ def pow2(e):
 
 
 @triton.jit
+def fp8_exponent(amax):
+    """The ue8m0 exponent of an FP8 block whose largest magnitude is amax: ceil(log2(amax *
+    (1/448))), amax taken as at least 1e-4 (`quant.quantize_fp8_ue8m0`); the block's codes are
+    then e4m3(x * 2**-exp), |x * 2**-exp| <= 448 by the rounding up (no clamp needed)."""
+    return pow2_ceil_exponent(tl.maximum(amax, 1e-4) * (1.0 / FP8_MAX))
+
+
+@triton.jit
 def fp8_quantise(x):
     """FP8 blocks x [rows, blocks, block] -> (the e4m3 code values in fp32, the ue8m0 exponent
-    per block): amax (>= 1e-4), exponent ceil(log2(amax * (1/448))), codes = e4m3(x * 2**-exp)
-    (`quant.quantize_fp8_ue8m0`: GEMM inputs, the window KV, the experts' activations)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
-    exp = pow2_ceil_exponent(amax * (1.0 / FP8_MAX))
-    v = x * pow2(-exp)[:, :, None]  # |v| <= 448 by the exponent's rounding up: no clamp needed
-    return round_to_e4m3(v), exp
+    per block; `fp8_exponent`) (GEMM inputs, the window KV, the experts' activations)."""
+    exp = fp8_exponent(tl.max(tl.abs(x), axis=2))
+    return round_to_e4m3(x * pow2(-exp)[:, :, None]), exp
 
 
 # ------------------------------------------------------------------------------ w8a16 kernel
