@@ -50,6 +50,7 @@ Expert ids must be in [0, E) (no expert-parallel "not local" marker yet).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -277,7 +278,9 @@ def _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T: tl.constexpr
     PAIR_TILES: tile p holds pair p alone and tile_expert_ptr is the flat topk_ids.
     LAST_SLOT (k, the pairs per token; 0: off): the launch's one expert (index 0 of its
     weights) takes every token's last slot, tile p tokens p * BLOCK_T .. — the shared expert
-    of FP4 layers, whose weights are FP8 (no layout needed: its pairs are known)."""
+    (no layout needed: its pairs are known), of FP4 layers, whose weights are FP8, or run
+    ahead of the routing (`moe_shared_ahead`). Its routing weight is 1 (the routers append it
+    so), which the kernels then do not read: a product by 1 changes no bits."""
     if LAST_SLOT:
         e = pid_t.to(tl.int64) * 0
         token = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -408,7 +411,7 @@ def _gate_up_kernel(
     rn = pid_n * (BLOCK_N // 2 if STACK else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if STACK else BLOCK_N)  # one channel per gate row
     n_ok = rn < I
     act = _swiglu(gate, up, limit, HAS_LIMIT)
-    if WEIGHT_BEFORE_DOWN:
+    if WEIGHT_BEFORE_DOWN and not LAST_SLOT:  # (the shared expert's weight is 1: see `_tile_pairs`)
         act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[None, :]
     col = _sigma_inverse(rn) if ACT_FRAGMENT else rn
     tl.store(act_ptr + offs.to(tl.int64)[None, :] * stride_act + col[:, None], act.to(tl.bfloat16), mask=n_ok[:, None] & valid[None, :])
@@ -454,7 +457,7 @@ def _down_kernel(
         w = step_tile(w_rows, scales, s_word if WORDS else 0, n_ok, k0, I, BLOCK_K, FP4, WORDS, PTX, FRAGMENT and BLOCK_K == 128, SLOTS)
         acc = step_dot(fragment_dot_order(w, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), a, acc, not PTX)
     y = acc.to(tl.bfloat16)
-    if not WEIGHT_BEFORE_DOWN:
+    if not WEIGHT_BEFORE_DOWN and not LAST_SLOT:  # (the shared expert's weight is 1)
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
         y = (y.to(tl.float32) * rw[None, :]).to(tl.bfloat16)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -793,6 +796,95 @@ def _words(ptx: bool, w: torch.Tensor, scale: torch.Tensor, block_k: int) -> boo
     return MOE["DEQUANT"] == "words" and ptx and expert_inputs(w) % 128 == 0 and 128 % block_k == 0 and aligned
 
 
+def _bf16_tiles(name: str, n_pairs: int, n_experts: int, d: int, inter: int, fp4: bool, fp8_act: bool) -> tuple[int, dict, dict]:
+    """A call's row tile and gate_up / down knobs (`moe_config`), checked: (BLOCK_T, gate_up,
+    down). FP4 rows in slot order are read in whole slot blocks (`quant.fp4_kernel_layout`);
+    a shared expert's FP8 launch takes the same steps (any step of 64 or 128 is exact)."""
+    cfg = moe_config(n_pairs, n_experts, fp8_act)
+    bt, gu, dn = cfg["BLOCK_T"], cfg["gate_up"], cfg["down"]
+    gu = dict(gu, BLOCK_K=quant.FP4_SLOT_INPUTS) if fp4 and quant.fp4_slot_order(d) else gu
+    dn = dict(dn, BLOCK_K=quant.FP4_SLOT_INPUTS) if fp4 and quant.fp4_slot_order(inter) else dn
+    for part_name, part in (("gate_up", gu), ("down", dn)):  # the FP8 kernels run pieces of 32; the bf16 ones whole fragment blocks
+        if (part["BLOCK_K"] % SCALE_BLOCK) if fp8_act else part["BLOCK_K"] not in (FRAGMENT_BLOCK, 2 * FRAGMENT_BLOCK):
+            want = f"a multiple of {SCALE_BLOCK}" if fp8_act else f"{FRAGMENT_BLOCK} or {2 * FRAGMENT_BLOCK}"
+            raise ValueError(f"{name}: {part_name} BLOCK_K must be {want}, got {part['BLOCK_K']}")
+    bad = wgmma_tile_error(gu["BLOCK_N"], bt, gu["num_warps"]) or wgmma_tile_error(dn["BLOCK_N"], bt, dn["num_warps"])
+    if bad:
+        raise ValueError(f"{name}: {bad}")
+    return bt, gu, dn
+
+
+def _bf16_x(x: torch.Tensor, bt: int) -> tuple[torch.Tensor, bool]:
+    """x as the bf16 gate_up kernel reads it -> (x, XREG): tiles of up to `MOE["XREG_MAX_T"]`
+    pairs put it in fragment order in registers; wider ones read a copy in that order."""
+    x_fragment = x.shape[1] % FRAGMENT_BLOCK == 0
+    x_reg = x_fragment and bt <= MOE["XREG_MAX_T"]
+    return (fragment_order(x) if x_fragment and not x_reg else x), x_reg
+
+
+def _bf16_launch(x: torch.Tensor, x_reg: bool, rows: torch.Tensor, tile_expert: torch.Tensor, weights: torch.Tensor, act: torch.Tensor,
+                 y: torch.Tensor, stack: tuple, fp4: bool, experts: int, tiles: int, topk: int, n_pairs: int, bt: int, gu: dict,
+                 dn: dict, pair_tiles: bool, limit: float, weight_before_down: bool, last_slot: int) -> None:
+    """Kernels 1 and 2 over `tiles` row tiles of the layout (or, last_slot, of every token's
+    last slot: the tiles are token blocks and the activations token rows) for the experts of
+    `stack` below `experts`; their rows of y."""
+    w13, w13_scale, w2, w2_scale = stack
+    w13_scale, w2_scale = w13_scale.view(torch.uint8).contiguous(), w2_scale.view(torch.uint8).contiguous()
+    d, inter = x.shape[1], act.shape[1]
+    ptx = ptx_convert(x.device)
+    x_fragment, act_fragment = d % FRAGMENT_BLOCK == 0, inter % FRAGMENT_BLOCK == 0
+    stacked = gu.get("STACK", False)
+    _gate_up_kernel[(tiles, triton.cdiv(inter, gu["BLOCK_N"] // 2 if stacked else gu["BLOCK_N"]))](
+        x, w13, w13_scale, rows, tile_expert, weights, act,
+        n_pairs, experts, d, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
+        float(limit),
+        TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
+        BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
+        WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stacked, FP4=fp4, LAST_SLOT=last_slot,
+        FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and quant.fp4_slot_order(d), XREG=x_reg,
+        **launch_options(gu), **pdl_launch(x.device),
+    )
+    _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
+        act, w2, w2_scale, rows, tile_expert, weights, y,
+        n_pairs, experts, d, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
+        WEIGHT_BEFORE_DOWN=weight_before_down,
+        BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
+        WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
+        FRAGMENT=act_fragment, WARPS=dn["num_warps"], SLOTS=fp4 and quant.fp4_slot_order(inter),
+        **launch_options(dn), **pdl_launch(act.device),
+    )
+
+
+def moe_shared_ahead(x: torch.Tensor, shared: tuple, topk: int, n_experts: int, limit: float, weight_before_down: bool) -> torch.Tensor:
+    """The shared expert's part of a `moe_experts` call, before the routing exists: `shared`
+    (w13, w13_scale, w2, w2_scale of one FP8 expert [1, ...]) on every token's last slot of a
+    routing k wide (`topk`, the shared slot included) over `n_experts` experts (the shared one
+    included: the call's row class). -> y bf16 [T * k, D] (the call's slot rows) with row
+    t * k + k - 1 = the shared expert's output for token t, the same bits `moe_experts` gives
+    it (the shared expert's routing weight is 1); pass it to `moe_experts` as `shared_ahead`.
+    Its inputs are final before the routing is, so the model issues this on a side stream
+    while the router runs (`MoE`)."""
+    t = x.shape[0]
+    d, inter, _ = _check_experts("moe_shared_ahead", x, *shared, None)
+    if shared[0].dtype != torch.float8_e4m3fn or shared[0].shape[0] != 1:
+        raise ValueError(f"moe_shared_ahead: the shared expert must be one FP8 expert [1, rows, inputs], got {shared[0].dtype} {list(shared[0].shape)}")
+    if topk < 1 or n_experts < 1:
+        raise ValueError(f"moe_shared_ahead: the routing width and expert count must be positive, got topk {topk}, n_experts {n_experts}")
+    n_pairs = t * topk
+    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
+    if t == 0:
+        return y
+    bt, gu, dn = _bf16_tiles("moe_shared_ahead", n_pairs, n_experts, d, inter, False, False)
+    x, x_reg = _bf16_x(x.contiguous(), bt)
+    act = torch.empty(triton.cdiv(t, bt) * bt, inter, dtype=torch.bfloat16, device=x.device)
+    no_layout = torch.empty(0, dtype=torch.int32, device=x.device)  # (LAST_SLOT launches read no layout nor routing weights)
+    _bf16_launch(x, x_reg, no_layout, no_layout, no_layout.float(), act, y, shared, False, 1, triton.cdiv(t, bt), topk, n_pairs,
+                 bt, gu, dn, False, limit, weight_before_down, topk)
+    return y
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -807,6 +899,7 @@ def moe_experts(
     fp8_act: bool = False,
     shared: tuple | None = None,
     shared_after_rounding: bool = False,
+    shared_ahead: tuple[torch.Tensor, Callable[[], None]] | None = None,
 ) -> torch.Tensor:
     """Routed experts of a flat batch -> fp32 [T, D] (see the module docstring), or with
     out_dtype bf16 that sum rounded once in the slot-sum kernel (V4.1's layer output: one
@@ -816,48 +909,44 @@ def moe_experts(
     run the bf16 kernels' FP4 variant; their `shared` expert (FP8, expert id E, every token's
     last slot) a second pair of launches over the same buffers, so that the slot sum adds it
     last as before. `shared_after_rounding` (V4, out_dtype bf16): the last slot, the shared
-    expert, is added in bf16 to the routed sum rounded to bf16 (`_slot_sums`)."""
+    expert, is added in bf16 to the routed sum rounded to bf16 (`_slot_sums`).
+    `shared_ahead` (bf16 activations): (y, ready), y from `moe_shared_ahead`, which holds the
+    shared expert's rows already — the FP8 stack's last expert, or `shared` — so this call
+    launches the routed experts only, into y, and calls `ready()` (the join of the stream that
+    computed y) just before the slot sum reads it."""
     _check_out_dtype("moe_experts", out_dtype)
     t, topk = topk_ids.shape
     d, inter, fp4 = _check_experts("moe_experts", x, w13, w13_scale, w2, w2_scale, shared)
     if fp8_act and fp4:
         raise ValueError("moe_experts: FP8 activations run FP8 expert stacks (the loader keeps FP8 experts under fp8_activations), got compact FP4")
+    if shared_ahead is not None and fp8_act:
+        raise ValueError("moe_experts: shared_ahead goes with bf16 activations (moe_shared_ahead runs the bf16 kernels)")
     n_experts = w13.shape[0] + (shared is not None)  # expert ids in [0, n_experts)
     n_pairs = t * topk
+    if shared_ahead is not None and tuple(shared_ahead[0].shape) != (n_pairs, d):
+        raise ValueError(f"moe_experts: shared_ahead's rows must be [T * k, D] = {[n_pairs, d]}, got {list(shared_ahead[0].shape)}")
     if n_pairs == 0:  # no tokens, or k = 0
+        if shared_ahead is not None:
+            shared_ahead[1]()
         return torch.zeros(t, d, dtype=out_dtype, device=x.device)
     x = x.contiguous()
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()  # pair p = token * k + slot, as the rows index it
-    cfg = moe_config(n_pairs, n_experts, fp8_act)
-    bt, gu, dn = cfg["BLOCK_T"], cfg["gate_up"], cfg["down"]
-    gu_slots, dn_slots = fp4 and quant.fp4_slot_order(d), fp4 and quant.fp4_slot_order(inter)
-    # FP4 rows in slot order are read in whole slot blocks (`quant.fp4_kernel_layout`); the
-    # shared expert's FP8 launch takes the same steps (any step of 64 or 128 is exact)
-    gu = dict(gu, BLOCK_K=quant.FP4_SLOT_INPUTS) if gu_slots else gu
-    dn = dict(dn, BLOCK_K=quant.FP4_SLOT_INPUTS) if dn_slots else dn
-    for name, part in (("gate_up", gu), ("down", dn)):  # the FP8 kernels run pieces of 32; the bf16 ones whole fragment blocks
-        if (part["BLOCK_K"] % SCALE_BLOCK) if fp8_act else part["BLOCK_K"] not in (FRAGMENT_BLOCK, 2 * FRAGMENT_BLOCK):
-            want = f"a multiple of {SCALE_BLOCK}" if fp8_act else f"{FRAGMENT_BLOCK} or {2 * FRAGMENT_BLOCK}"
-            raise ValueError(f"moe_experts: {name} BLOCK_K must be {want}, got {part['BLOCK_K']}")
-    bad = wgmma_tile_error(gu["BLOCK_N"], bt, gu["num_warps"]) or wgmma_tile_error(dn["BLOCK_N"], bt, dn["num_warps"])
-    if bad:
-        raise ValueError(f"moe_experts: {bad}")
+    bt, gu, dn = _bf16_tiles("moe_experts", n_pairs, n_experts, d, inter, fp4, fp8_act)
     pair_tiles = n_pairs <= MOE["PAIR_TILES_MAX_PAIRS"]
     if pair_tiles:  # pair p is row tile p, of expert topk_ids.flat[p]
         rows = tile_expert = ids.view(-1)
     else:
         rows, tile_expert = align_by_expert(ids.view(-1), n_experts, bt)
     n_tiles = tile_expert.numel()
-    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
-    stack = gu.get("STACK", False)
-    gate_up_n = triton.cdiv(inter, gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"])
     if fp8_act:
+        y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
+        stack = gu.get("STACK", False)
         xq, xs = fp8_act_quant(x, SCALE_BLOCK)
         act_q = torch.empty(n_tiles * bt, inter, dtype=torch.float8_e4m3fn, device=x.device)
         act_s = torch.empty(n_tiles * bt, inter // SCALE_BLOCK, dtype=torch.uint8, device=x.device)
         w13_scale, w2_scale = w13_scale.view(torch.uint8).contiguous(), w2_scale.view(torch.uint8).contiguous()
-        _gate_up_fp8_kernel[(n_tiles, gate_up_n)](
+        _gate_up_fp8_kernel[(n_tiles, triton.cdiv(inter, gu["BLOCK_N"] // 2 if stack else gu["BLOCK_N"]))](
             xq, xs, w13, w13_scale, rows, tile_expert, weights, act_q, act_s,
             n_pairs, n_experts, d, inter,
             xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
@@ -877,41 +966,16 @@ def moe_experts(
             **launch_options(dn), **pdl_launch(act_q.device),
         )
         return _slot_sums(y, ids, out_dtype, shared_after_rounding=shared_after_rounding)
+    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device) if shared_ahead is None else shared_ahead[0]
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
-    ptx = ptx_convert(x.device)
-    x_fragment, act_fragment = d % FRAGMENT_BLOCK == 0, inter % FRAGMENT_BLOCK == 0
-    x_reg = x_fragment and bt <= MOE["XREG_MAX_T"]
-    if x_fragment and not x_reg:
-        x = fragment_order(x)
-
-    def launch(w13, w13_scale, w2, w2_scale, fp4: bool, experts: int, last_slot: int) -> None:
-        """Kernels 1 and 2 over the layout (or, last_slot, over every token's last slot) for
-        the tiles of experts below `experts`."""
-        w13_scale, w2_scale = w13_scale.view(torch.uint8).contiguous(), w2_scale.view(torch.uint8).contiguous()
-        tiles = triton.cdiv(t, bt) if last_slot else n_tiles
-        _gate_up_kernel[(tiles, gate_up_n)](
-            x, w13, w13_scale, rows, tile_expert, weights, act,
-            n_pairs, experts, d, inter,
-            x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
-            float(limit),
-            TOPK=topk, HAS_LIMIT=limit > 0, WEIGHT_BEFORE_DOWN=weight_before_down,
-            BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
-            WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stack, FP4=fp4, LAST_SLOT=last_slot,
-            FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and gu_slots, XREG=x_reg,
-            **launch_options(gu), **pdl_launch(x.device),
-        )
-        _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
-            act, w2, w2_scale, rows, tile_expert, weights, y,
-            n_pairs, experts, d, inter,
-            act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
-            WEIGHT_BEFORE_DOWN=weight_before_down,
-            BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
-            WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
-            FRAGMENT=act_fragment, WARPS=dn["num_warps"], SLOTS=fp4 and dn_slots,
-            **launch_options(dn), **pdl_launch(act.device),
-        )
-
-    launch(w13, w13_scale, w2, w2_scale, fp4, w13.shape[0], 0)
-    if shared is not None:  # the shared expert's pairs: act rows = pair rows (LAST_SLOT tiles are token blocks)
-        launch(*shared, False, 1, topk)
+    x, x_reg = _bf16_x(x, bt)
+    launch = lambda stack, fp4, experts, tiles, last_slot: _bf16_launch(  # noqa: E731
+        x, x_reg, rows, tile_expert, weights, act, y, stack, fp4, experts, tiles, topk, n_pairs, bt, gu, dn, pair_tiles, limit,
+        weight_before_down, last_slot)
+    # with the shared rows ahead, an FP8 stack's last expert (the shared one) is skipped: its tiles exit at once
+    launch((w13, w13_scale, w2, w2_scale), fp4, w13.shape[0] - (shared_ahead is not None and shared is None), n_tiles, 0)
+    if shared is not None and shared_ahead is None:  # the shared expert's pairs: act rows = token rows (LAST_SLOT tiles are token blocks)
+        launch(shared, False, 1, triton.cdiv(t, bt), topk)
+    if shared_ahead is not None:
+        shared_ahead[1]()
     return _slot_sums(y, ids, out_dtype, shared_after_rounding=shared_after_rounding)
