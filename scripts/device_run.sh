@@ -9,7 +9,7 @@
 # KERNEL_BUDGET (s), BENCH_CASES, BENCH_FLAGS, BENCH_TIMEOUT (s), EXACT_CASES, EXACT_TIMEOUT,
 # BASELINE_CASES, BASELINE_TIMEOUT, BASELINE_CONFIG (v41 or v4), NCU_CASES, NCU_TIMEOUT (steps ncu and ncu_source;
 # ncu_source also NCU_KERNELS (a regex), NCU_SKIP, NCU_COUNT: launches skipped / profiled), AB_CASES + AB_ENV (the bench's cases again under other kernel
-# knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS='... ...'" (a variant is eval'd: quote a value with spaces), or bench flags: AB_ENV="AB_FLAGS=--fp4-experts"), KNOBS (module globals or dict entries the bench runs under, Python literals:
+# knobs, one run per ';'-separated variant: AB_ENV="KNOBS=...;KNOBS='... ...'" (a variant is eval'd: quote a value with spaces), or bench flags: AB_ENV="AB_FLAGS=--fp4-experts"), KNOBS (module globals or dict entries the bench, profile, insitu* and golden* steps run under, Python literals:
 # KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"; a dotted path
 # walks nested tables, digits indexing tuples: KNOBS=dsv4.ops.triton.moe:MOE.rows.4.1.gate_up.maxnreg=128),
 # PROFILE_CASES, PROFILE_ARGS (per-kernel table of graph replays, step `profile`, under the KNOBS as well; PROFILE_ARGS=--torch-ops adds
@@ -83,27 +83,27 @@ if want kernels; then
 fi
 if want insitu; then
   echo "=== insitu" | tee -a "$LOG"
-  timeout 150 python scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 2>&1 | tee -a "$LOG" | tail -20
+  knobbed 150 scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 2>&1 | tee -a "$LOG" | tail -20
 fi
 if want insitu8; then  # the same with FP8 activations (--fp8-activations)
   echo "=== insitu8" | tee -a "$LOG"
-  timeout 150 python scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 --fp8-activations 2>&1 | tee -a "$LOG" | tail -20
+  knobbed 150 scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 --fp8-activations 2>&1 | tee -a "$LOG" | tail -20
 fi
 if want insitu4; then  # the same with the experts kept FP4 (--fp4-experts)
   echo "=== insitu4" | tee -a "$LOG"
-  timeout 150 python scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 --fp4-experts 2>&1 | tee -a "$LOG" | tail -20
+  knobbed 150 scripts/check_fast_path.py devdata/golden/v41-tiny-a --prompts 1,3,4 --steps 4 --fp4-experts 2>&1 | tee -a "$LOG" | tail -20
 fi
 if want insitu_v4; then  # V4-Flash's fast path (bf16 caches, HCA, overlapping compressors)
   echo "=== insitu_v4" | tee -a "$LOG"
-  timeout 150 python scripts/check_fast_path.py devdata/golden/v4-tiny-a --prompts 1,3,4 --steps 4 2>&1 | tee -a "$LOG" | tail -20
+  knobbed 150 scripts/check_fast_path.py devdata/golden/v4-tiny-a --prompts 1,3,4 --steps 4 2>&1 | tee -a "$LOG" | tail -20
 fi
 if want golden; then
   echo "=== golden" | tee -a "$LOG"
-  timeout 240 python scripts/gpu_golden.py devdata/golden/v41-tiny-a 2>&1 | grep -v Warning | tee -a "$LOG" | tail -8
+  knobbed 240 scripts/gpu_golden.py devdata/golden/v41-tiny-a 2>&1 | grep -v Warning | tee -a "$LOG" | tail -8
 fi
 if want golden_v4; then
   echo "=== golden_v4" | tee -a "$LOG"
-  timeout 240 python scripts/gpu_golden.py devdata/golden/v4-tiny-a 2>&1 | grep -v Warning | tee -a "$LOG" | tail -8
+  knobbed 240 scripts/gpu_golden.py devdata/golden/v4-tiny-a 2>&1 | grep -v Warning | tee -a "$LOG" | tail -8
 fi
 if want bench; then
   echo "=== bench" | tee -a "$LOG"

@@ -99,7 +99,9 @@ class Carry:
 MIXES_ASIDE = True
 ENGRAM_ASIDE = True
 COMPRESSOR_ASIDE = True
-SHARED_EXPERT_ASIDE = True
+# off until a GPU has run it: built in the thirty-first session, whose device tries found no
+# machine; turn on once `golden` (graphs == eager) and the step A/B show it (docs/PERF.md)
+SHARED_EXPERT_ASIDE = False
 
 
 class Aside:
@@ -112,10 +114,10 @@ class Aside:
     engram values (table lookup + the 157 MB wkv projection), which need only the step's
     hashes but are read at their layer; a layer's compressor (its projection GEMM, the
     pooling, the cache and tail stores), whose entries are first read by the layer's indexer or
-    attention, after the query projections; and the shared expert of the grouped MoE kernels
-    (`MoE`), whose input and weight (1) are known before the router has chosen the routed
-    experts: its ~31 MB of weights stream while the router's latency-bound kernels run, and
-    the routed experts' slot sum joins it. Elsewhere (CPU, the reference path; V4's mixes,
+    attention, after the query projections; and (`SHARED_EXPERT_ASIDE`, off until measured)
+    the shared expert of the grouped MoE kernels (`MoE`), whose input and weight (1) are known
+    before the router has chosen the routed experts: its ~31 MB of weights stream while the
+    router's latency-bound kernels run, and the routed experts' slot sum joins it. Elsewhere (CPU, the reference path; V4's mixes,
     its collapse reads the site's own `pre`) the work runs in place. The breakdown's sections
     then time the main stream's part; a wait at a join falls in the section that joins.
 
