@@ -616,8 +616,9 @@ def test_moe_shared_ahead_rejects_bad_inputs():
     ids = torch.tensor([[0, 1], [1, 0]], device=DEVICE)
     weights = torch.ones(2, 2, device=DEVICE)
     rows = moe.moe_shared_ahead(x, tuple(one), 2, 2, 10.0, True)
-    with pytest.raises(ValueError, match=r"shared_ahead's rows must be \[T \* k, D\]"):
-        moe.moe_experts(x, ids, weights, *two, 10.0, True, shared_ahead=(rows[:3], lambda: None))
+    for bad in (rows[:3], rows.float(), rows.t().contiguous().t()):  # short, fp32, column-major
+        with pytest.raises(ValueError, match=r"shared_ahead's rows must be contiguous bf16 \[T \* k, D\]"):
+            moe.moe_experts(x, ids, weights, *two, 10.0, True, shared_ahead=(bad, lambda: None))
     with pytest.raises(ValueError, match="bf16 activations"):
         moe.moe_experts(x, ids, weights, *two, 10.0, True, fp8_act=True, shared_ahead=(rows, lambda: None))
 

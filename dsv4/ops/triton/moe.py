@@ -923,8 +923,11 @@ def moe_experts(
         raise ValueError("moe_experts: shared_ahead goes with bf16 activations (moe_shared_ahead runs the bf16 kernels)")
     n_experts = w13.shape[0] + (shared is not None)  # expert ids in [0, n_experts)
     n_pairs = t * topk
-    if shared_ahead is not None and tuple(shared_ahead[0].shape) != (n_pairs, d):
-        raise ValueError(f"moe_experts: shared_ahead's rows must be [T * k, D] = {[n_pairs, d]}, got {list(shared_ahead[0].shape)}")
+    if shared_ahead is not None:
+        ahead = shared_ahead[0]
+        if tuple(ahead.shape) != (n_pairs, d) or ahead.dtype != torch.bfloat16 or ahead.device != x.device or not ahead.is_contiguous():
+            raise ValueError(f"moe_experts: shared_ahead's rows must be contiguous bf16 [T * k, D] = {[n_pairs, d]} on {x.device}, "
+                             f"got {ahead.dtype} {list(ahead.shape)} on {ahead.device}")
     if n_pairs == 0:  # no tokens, or k = 0
         if shared_ahead is not None:
             shared_ahead[1]()
