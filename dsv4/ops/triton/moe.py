@@ -796,7 +796,7 @@ def _words(ptx: bool, w: torch.Tensor, scale: torch.Tensor, block_k: int) -> boo
     return MOE["DEQUANT"] == "words" and ptx and expert_inputs(w) % 128 == 0 and 128 % block_k == 0 and aligned
 
 
-def _bf16_tiles(name: str, n_pairs: int, n_experts: int, d: int, inter: int, fp4: bool, fp8_act: bool) -> tuple[int, dict, dict]:
+def _call_tiles(name: str, n_pairs: int, n_experts: int, d: int, inter: int, fp4: bool, fp8_act: bool) -> tuple[int, dict, dict]:
     """A call's row tile and gate_up / down knobs (`moe_config`), checked: (BLOCK_T, gate_up,
     down). FP4 rows in slot order are read in whole slot blocks (`quant.fp4_kernel_layout`);
     a shared expert's FP8 launch takes the same steps (any step of 64 or 128 is exact)."""
@@ -876,7 +876,7 @@ def moe_shared_ahead(x: torch.Tensor, shared: tuple, topk: int, n_experts: int, 
     y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
     if t == 0:
         return y
-    bt, gu, dn = _bf16_tiles("moe_shared_ahead", n_pairs, n_experts, d, inter, False, False)
+    bt, gu, dn = _call_tiles("moe_shared_ahead", n_pairs, n_experts, d, inter, False, False)
     x, x_reg = _bf16_x(x.contiguous(), bt)
     act = torch.empty(triton.cdiv(t, bt) * bt, inter, dtype=torch.bfloat16, device=x.device)
     no_layout = torch.empty(0, dtype=torch.int32, device=x.device)  # (LAST_SLOT launches read no layout nor routing weights)
@@ -935,7 +935,7 @@ def moe_experts(
     x = x.contiguous()
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()  # pair p = token * k + slot, as the rows index it
-    bt, gu, dn = _bf16_tiles("moe_experts", n_pairs, n_experts, d, inter, fp4, fp8_act)
+    bt, gu, dn = _call_tiles("moe_experts", n_pairs, n_experts, d, inter, fp4, fp8_act)
     pair_tiles = n_pairs <= MOE["PAIR_TILES_MAX_PAIRS"]
     if pair_tiles:  # pair p is row tile p, of expert topk_ids.flat[p]
         rows = tile_expert = ids.view(-1)
@@ -972,9 +972,10 @@ def moe_experts(
     y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device) if shared_ahead is None else shared_ahead[0]
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     x, x_reg = _bf16_x(x, bt)
-    launch = lambda stack, fp4, experts, tiles, last_slot: _bf16_launch(  # noqa: E731
-        x, x_reg, rows, tile_expert, weights, act, y, stack, fp4, experts, tiles, topk, n_pairs, bt, gu, dn, pair_tiles, limit,
-        weight_before_down, last_slot)
+    def launch(stack: tuple, fp4: bool, experts: int, tiles: int, last_slot: int) -> None:
+        _bf16_launch(x, x_reg, rows, tile_expert, weights, act, y, stack, fp4, experts, tiles, topk, n_pairs, bt, gu, dn, pair_tiles,
+                     limit, weight_before_down, last_slot)
+
     # with the shared rows ahead, an FP8 stack's last expert (the shared one) is skipped: its tiles exit at once
     launch((w13, w13_scale, w2, w2_scale), fp4, w13.shape[0] - (shared_ahead is not None and shared is None), n_tiles, 0)
     if shared is not None and shared_ahead is None:  # the shared expert's pairs: act rows = token rows (LAST_SLOT tiles are token blocks)
