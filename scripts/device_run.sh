@@ -13,14 +13,36 @@
 # KNOBS="dsv4.ops.triton.fp8_gemm:W8A16.DEQUANT='bytes' dsv4.ops.triton.moe:MOE.PAIR_TILES_MAX_PAIRS=0"; a dotted path
 # walks nested tables, digits indexing tuples: KNOBS=dsv4.ops.triton.moe:MOE.rows.4.1.gate_up.maxnreg=128),
 # PROFILE_CASES, PROFILE_ARGS (per-kernel table of graph replays, step `profile`, under the KNOBS as well; PROFILE_ARGS=--torch-ops adds
-# the eager step's aten ops by source line, --timeline one replay's kernels in order in profile.json).
+# the eager step's aten ops by source line, --timeline one replay's kernels in order in profile.json),
+# TRITON_CACHE_OUT=1 (the compiled kernels back under $OUT, to carry as tcache/ into the next call: below).
 # Results under $OUT.
 set -uo pipefail
 pip install -q --no-deps .device_wheels/*.whl 2>&1 | tail -1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 STEPS=${STEPS:-kernels,insitu,golden,bench,exact,baseline}
 LOG=$OUT/log.txt
-mkdir -p devdata/golden && tar xzf devdata/golden.tgz -C devdata/golden  # (scripts/prepare_device.sh)
+# (scripts/prepare_device.sh; a call that only benchmarks may leave devdata behind)
+[ -f devdata/golden.tgz ] && mkdir -p devdata/golden && tar xzf devdata/golden.tgz -C devdata/golden
+# Every call starts a fresh machine, whose first process compiles every kernel it launches
+# (~150 s of device time, S27-1). TRITON_CACHE_OUT=1 sends Triton's cache back as
+# $OUT/tcache.tar.xz.NN (`send_triton_cache`, at the end); copied into tcache/ here and carried,
+# it is restored at the same path (`restore_triton_cache`), so kernels whose source is
+# unchanged load instead of compiling. A cache hit needs a kernel's metadata .json and .cubin
+# only (Triton skips the missing IR files of a group); .ptx is kept for check_kernels' compile
+# section, the launchers' .so for the launch.
+TRITON_CACHE=${TRITON_CACHE_DIR:-${HOME:-}/.triton/cache}  # (Triton's default place)
+restore_triton_cache() {
+  ls tcache/tcache.tar.xz.* >/dev/null 2>&1 || return 0
+  mkdir -p "$TRITON_CACHE" && cat tcache/tcache.tar.xz.* | tar xJf - -C "$TRITON_CACHE"
+  echo "triton cache: $(find "$TRITON_CACHE" -name '*.cubin' | wc -l) compiled kernels restored" | tee -a "$LOG"
+}
+send_triton_cache() {
+  [ -n "${TRITON_CACHE_OUT:-}" ] && [ -d "$TRITON_CACHE" ] || return 0
+  (cd "$TRITON_CACHE" && find . \( -name '*.json' -o -name '*.cubin' -o -name '*.ptx' -o -name '*.so' \) -print0 | tar cJf - --null -T -) \
+    | split -b 15m -d - "$OUT/tcache.tar.xz."
+  echo "triton cache sent back: $(find "$TRITON_CACHE" -name '*.cubin' | wc -l) kernels, $(du -ch "$OUT"/tcache.tar.xz.* | tail -1 | cut -f1)" | tee -a "$LOG"
+}
+restore_triton_cache
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; git log -1 --format=%H 2>/dev/null; git status --short 2>/dev/null | head -30; } | tee "$OUT/gpu.txt"
 
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -189,3 +211,4 @@ if want baseline; then  # the HF-style reference path (dequantised bf16 weights,
     --dtype bfloat16 --warmup 1 --iters 3 --baseline --no-breakdown --json "$OUT/forward_baseline.json" \
     ${BASELINE_CASES:-d1_8k=1*1@8192 d64_32k=64*1@32768 p8k=8192} 2>&1 | grep -v -E "Warning|profiler_st|warn_once" | tee -a "$LOG" | tail -12
 fi
+send_triton_cache

@@ -1,10 +1,12 @@
 """The device profiling tools' CPU-runnable parts: `profile_step.torch_op_table` (an eager
 step's aten ops by source line), `time_step_build.py` (the host's share of a graph step),
 `ncu_kernels.source_summary` (Nsight Compute's source page by opcode) and device_run.sh's
-`bench` (which tree an A/B variant imports)."""
+functions (`bench`: which tree an A/B variant imports; `knobbed`, `exit_said`, the Triton
+cache's round trip between calls)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +215,33 @@ def test_device_run_says_why_a_timed_run_printed_no_table(tmp_path):
     assert len(lines) == 2 and lines[1] == "bench: exit 1", out
     assert lines[0].startswith("ab 1: exit 124 (timed out after 100 s;") and "compiles every kernel" in lines[0], out
     assert log.read_text() == out
+
+
+def test_device_run_sends_the_triton_cache_back_and_restores_it(tmp_path):
+    """device_run.sh's `send_triton_cache` (TRITON_CACHE_OUT=1) packs a kernel's metadata,
+    cubin and PTX and the launchers' .so (not the other IR) into $OUT/tcache.tar.xz.NN;
+    `restore_triton_cache` unpacks those files, carried as tcache/, into the next machine's
+    cache at the same path (a Triton group file names its members by absolute path)."""
+    functions = _device_run_functions("restore_triton_cache", "send_triton_cache")
+    cache, out, checkout = tmp_path / "cache", tmp_path / "out", tmp_path / "checkout"
+    kept = ["abc/_gate_up_kernel.json", "abc/__grp___gate_up_kernel.json", "abc/_gate_up_kernel.cubin", "abc/_gate_up_kernel.ptx",
+            "def/__triton_launcher.so"]
+    for name in kept + ["abc/_gate_up_kernel.ttir", "abc/_gate_up_kernel.llir", "abc/_gate_up_kernel.source"]:
+        (cache / name).parent.mkdir(parents=True, exist_ok=True)
+        (cache / name).write_bytes(name.encode() * 1000)
+    out.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "LOG": str(out / "log.txt"), "TRITON_CACHE": str(cache)}
+    run = lambda script, cwd, **more: subprocess.run(["bash", "-c", functions + script], cwd=cwd, env={**env, **more},  # noqa: E731
+                                                     capture_output=True, text=True, timeout=60, check=True).stdout
+    assert run("send_triton_cache", tmp_path) == ""  # off unless asked for
+    assert "triton cache sent back: 1 kernels" in run("send_triton_cache", tmp_path, TRITON_CACHE_OUT="1")
+    parts = sorted(p.name for p in out.iterdir() if p.name.startswith("tcache"))
+    assert parts == ["tcache.tar.xz.00"], parts
+    (checkout / "tcache").mkdir(parents=True)
+    (checkout / "tcache" / parts[0]).write_bytes((out / parts[0]).read_bytes())
+    assert run("restore_triton_cache", tmp_path) == ""  # nothing carried: nothing done
+    shutil.rmtree(cache)
+    assert "1 compiled kernels restored" in run("restore_triton_cache", checkout)
+    restored = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file())
+    assert restored == sorted(kept), restored
+    assert all((cache / name).read_bytes() == name.encode() * 1000 for name in kept)
