@@ -4,6 +4,8 @@ dequantised weights (the per-expert torch path), with the kernels in Triton's in
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -101,8 +103,10 @@ def test_shared_expert_ahead_of_the_router_gives_the_same_bits(monkeypatch):
     aside = _InPlaceAside()
     assert torch.equal(fast(x, ids, aside=aside), want)
     assert aside.calls == ["moe_shared_ahead", "join"]
-    monkeypatch.setattr("dsv4.model.layers.moe.DENSE_EXPERT_PAIRS", 0)
+    fp8 = MoE(compact, "ffn.", dataclasses.replace(cfg, fp8_activations=True), cfg.n_routed_experts, cfg.num_experts_per_tok, False)
     aside = _InPlaceAside()
+    assert torch.equal(fp8(x, ids, aside=aside), fp8(x, ids)) and aside.calls == []
+    monkeypatch.setattr("dsv4.model.layers.moe.DENSE_EXPERT_PAIRS", 0)
     fast(x, ids, aside=aside)
     assert aside.calls == []
 
