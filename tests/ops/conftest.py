@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -13,13 +14,16 @@ if not torch.cuda.is_available():
 
 
 def _patch_interpreter() -> None:
-    """Work around four defects of Triton's interpreter (seen in 3.6 and 3.9) so that it
+    """Work around five defects of Triton's interpreter (seen in 3.6 and 3.9) so that it
     computes what the GPU computes: (1) scalars are 1-element arrays and `int()` of them fails
     with numpy 2.4 (loop bounds derived from program ids); (2) `tl.dot` of bf16 operands
     multiplies their raw uint16 bit patterns; (3) fp32 -> bf16 casts truncate instead of
     rounding to nearest even; (4) libdevice's functions are not interpreted at all: `exp`
     (the compressor's, CUDA's expf on the GPU) becomes the interpreter's `tl.exp`, numpy's, and
-    so do `cos` / `sin` (the RoPE tables') and `log1p` (V4's router)."""
+    so do `cos` / `sin` (the RoPE tables') and `log1p` (V4's router); (5) inline PTX is
+    refused: `ptx_emulator` runs the kernels' PTX blocks (used where a test asks for the
+    compiled path, `ptx_in_interpreter`)."""
+    from ptx_emulator import emulate_inline_asm
     import numpy as np
     import triton.language as tl
     from triton.language.extra import libdevice
@@ -59,6 +63,7 @@ def _patch_interpreter() -> None:
     interp._patch_lang_tensor = patched_tensor
     interp.InterpreterBuilder.create_dot = patched_dot
     interp.InterpreterBuilder.cast_impl = patched_cast
+    interp.InterpreterBuilder.create_inline_asm = emulate_inline_asm
     interp._dsv4_patched = True
 
 
@@ -67,3 +72,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         _patch_interpreter()
     except ImportError:  # no triton: the kernel tests skip themselves
         pass
+
+
+@pytest.fixture
+def ptx_in_interpreter(monkeypatch):
+    """Kernels take their compiled path (`PTX` True: int32 word loads, the PTX dequantisers)
+    in the interpreter, their inline PTX run by `ptx_emulator`. (bf16 elementwise arithmetic
+    stays the interpreter's, on raw bit patterns: tests use the paths that do theirs in PTX.)"""
+    from dsv4.ops.triton import attention, fp8_gemm, indexer, moe
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter's emulation of the compiled path (on a GPU the kernels run compiled)")
+    for module in (fp8_gemm, moe, attention, indexer):
+        monkeypatch.setattr(module, "ptx_convert", lambda device: True)

@@ -262,6 +262,32 @@ def test_dequant_rows_exact_for_every_code():
     assert torch.equal(out.cpu()[:, finite].view(torch.int16), ref[:, finite].view(torch.int16))
 
 
+@triton.jit
+def _dequant_words_kernel(w_ptr, s_ptr, out_ptr):
+    """16 rows of 32 int32 words (128 e4m3 codes) and their scale words through
+    `fp8_gemm.dequant_word_step` (the weight kernels' compiled K step)."""
+    rows = tl.arange(0, 16)
+    words = tl.load(w_ptr + rows[:, None] * 32 + tl.arange(0, 32)[None, :])
+    out = fp8_gemm.dequant_word_step(words, tl.load(s_ptr + rows), 0, 128)
+    tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], out)
+
+
+def test_word_dequantisation_exact_for_every_code(ptx_in_interpreter):
+    """The compiled path's K step (the PTX permute with the scale folded into its multiply,
+    run by `ptx_emulator`) gives fp8 x 2**(s - 127) exactly for all 256 codes under scale
+    bytes across the loader's range 1 .. 134 (the device checks the PTX itself the same way,
+    check_kernels `fp8_linear`)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(2, 128).repeat(8, 1)  # row r: half r % 2 of the codes
+    byte = torch.tensor([1, 20, 60, 112, 120, 127, 131, quant.FP8_MAX_SCALE_BYTE], dtype=torch.uint8).repeat_interleave(2)
+    scale_words = byte[:, None].expand(16, 4).contiguous().view(torch.int32).view(16)  # one byte a 32-input piece
+    out = torch.empty(16, 128, dtype=torch.bfloat16, device=DEVICE)
+    _dequant_words_kernel[(1,)](codes.view(torch.int32).to(DEVICE), scale_words.to(DEVICE), out)
+    values = codes.view(torch.float8_e4m3fn).float()
+    ref = (values * torch.exp2(byte.float() - 127)[:, None]).bfloat16()
+    finite = ~values.isnan()
+    assert torch.equal(out.cpu().view(torch.int16)[finite], ref.view(torch.int16)[finite])
+
+
 def test_w8a16_chunks_from_weight_shape(monkeypatch):
     """Chunks come from (N, K, block) and the SM count only, align to every K step, and a
     per-shape override wins."""
@@ -333,6 +359,32 @@ def test_fp8_linear_dispatch_and_leading_dims(monkeypatch):
     assert (y8.double().cpu() - ref).abs().max() < 0.1 * ref.abs().max()
     with pytest.raises(ValueError, match="scale shape"):
         fp8_gemm.fp8_linear(x.to(DEVICE), w.to(DEVICE), s[:1].to(DEVICE), 32)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,sms",
+    [
+        (1, 128, 512, 8),  # row tile 16, x put in fragment order in registers, split-K with the ticket sum
+        (20, 64, 640, 8),  # row tile 32, split-K
+        (40, 128, 512, 8),  # row tile 64 (x copied in fragment order), split-K
+        (130, 128, 512, 8),  # row tiles of 128, 64-input steps (two a scale word), split-K partials summed apart
+        (130, 256, 384, 0),  # the same unsplit: the chunk sums inside one program
+    ],
+)
+def test_fp8_linear_w8a16_compiled_path_matches_reference(ptx_in_interpreter, monkeypatch, m, n, k, sms):
+    """The GPU's form of the weight-only GEMM (FP8 weights read as int32 words, each K step
+    dequantised by the PTX permute with its 128-input scale word) in the interpreter: within
+    bf16 rounding of the exact product. Scale bytes vary over K, so a step dequantised with
+    another step's word is far off."""
+    monkeypatch.setattr(fp8_gemm, "num_sms", lambda device: max(sms, 1))
+    monkeypatch.setitem(fp8_gemm.W8A16, "SPLIT_TILES_PER_SM", 1.0 if sms else 0.0)
+    g = _gen(m * 7 + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w, s = _fp8_weight(n, k, 32, g)
+    assert fp8_gemm.w8a16_words(True, w, True) and fp8_gemm.w8a16_fragment(False, 32, k, fp8_gemm.w8a16_config(m)["BLOCK_K"])
+    ref = x.double() @ quant.dequant_fp8_block(w, s, 32).double().T
+    y = fp8_gemm.fp8_linear_w8a16(x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), 32)
+    assert _rel_err(y, ref) <= BF16_REL * 1.01
 
 
 def test_fp8_linear_w8a16_rows_do_not_depend_on_batch(monkeypatch):
@@ -533,6 +585,29 @@ def test_fragment_order_kernel_is_the_permuted_copy(t, k, offset):
     assert torch.equal(fp8_gemm.fragment_order(x).cpu(), want)
     with pytest.raises(ValueError, match="2-byte values"):
         fp8_gemm.fragment_order(x.float())
+
+
+# pair tiles, the layout's 16-pair tiles (stacked gate/up), 32-pair tiles, the 128-pair prefill class
+@pytest.mark.parametrize("t,top_k,n_exp", [(1, 2, 8), (6, 2, 4), (40, 2, 4), (300, 2, 2)])
+def test_moe_experts_compiled_path_matches_reference(ptx_in_interpreter, t, top_k, n_exp):
+    """The GPU's form of the grouped expert GEMMs (FP8 and FP4 weights read as int32 words,
+    each K step dequantised by the PTX permutes with its 128-input scale word) in the
+    interpreter, against the torch experts, with scale bytes
+    varying over K; FP4 stacks within bf16 rounding of FP8's result. (Their bits are equal in
+    `..._fp4_give_the_bits_...`; here each step is one numpy dot whose sum order follows the
+    step's width, and FP4 steps are whole 128s where the prefill class's FP8 steps are 64.)"""
+    d, inter, limit = 256, 256, 10.0
+    g, x, ids, weights, fp4, fp8 = _fp4_routed_case(t * 31 + top_k, t, top_k, n_exp, d, inter)
+    w13, s13, w2, s2 = fp8
+    w1 = [Linear(_dequant_rows(w13[e, :inter], s13[e, :inter])) for e in range(n_exp)]
+    w3 = [Linear(_dequant_rows(w13[e, inter:], s13[e, inter:])) for e in range(n_exp)]
+    w2l = [Linear(_dequant_rows(w2[e], s2[e])) for e in range(n_exp)]
+    ref = moe_ref.experts_forward(x.cpu(), weights.cpu(), ids.cpu(), w1, w2l, w3, limit, True).float()
+    assert moe._words(True, w13, s13, 128) and moe._words(True, w2, s2, 128)
+    y = moe.moe_experts(x, ids, weights, *(a.to(DEVICE) for a in fp8), limit, True)
+    assert _rel_err(y, ref) <= 2 * BF16_REL
+    y4 = moe.moe_experts(x, ids, weights, *(a.to(DEVICE) for a in fp4), limit, True)
+    assert (y4 - y).abs().max() <= BF16_REL * y.abs().max()
 
 
 def _fp4_routed_case(seed: int, t: int, top_k: int, n_exp: int, d: int, inter: int):
