@@ -307,12 +307,11 @@ def _w8a16_reference(x, w, s, block, groups=1, x_scale=None):
 
 
 def _moe_reference(x, ids, weights, w13, s13, w2, s2, limit, weight_before_down, out_dtype=torch.float32, fp8_act=False, shared=None,
-                   shared_after_rounding=False, shared_ahead=None):
+                   shared_after_rounding=False):
     """The per-expert torch loop on the same experts (FP8 or compact FP4), dequantised
     (dsv4.ops.moe), a separate shared expert last; with fp8_act its Linears quantise their
     inputs. (`shared_after_rounding`: V4's loop adds every expert in bf16, the shared one,
-    the highest id, last. `shared_ahead`, the kernel's rows of the shared expert, is not
-    read: the loop computes that expert itself, so the check covers `moe_shared_ahead` too.)"""
+    the highest id, last.)"""
     rows = lambda w, s: [Linear(w[e], s[e], 0, row_scales=True, quant_input=fp8_act) for e in range(w.shape[0])]
     w1, wd, w3 = [], [], []
     for w13, s13, w2, s2 in [(w13, s13, w2, s2)] + ([shared] if shared is not None else []):

@@ -447,33 +447,12 @@ def moe_prefill_case(t: int, data: tuple) -> None:
            layer_uses=layer, **perf(t_d, w_bytes, flops, "bf16"))
 
 
-def moe_shared_ahead_case(t: int, data: tuple) -> None:
-    """The shared expert (the stack's last expert, every token's last slot at weight 1) run
-    ahead on a side stream (`moe_shared_ahead`, as the model runs it while its router runs)
-    and joined before the slot sum: the bits of the call that runs it in the stack."""
-    from dsv4.ops.triton import moe
-
-    x, _, _, w13, s13, w2, s2 = data
-    e = w13.shape[0]
-    ids, wts = moe_routings(t, e, seed=t, shared=True)[0]
-    xt = x[:t]
-    want = moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True, torch.bfloat16)
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        rows = moe.moe_shared_ahead(xt, (w13[-1:], s13[-1:], w2[-1:], s2[-1:]), ids.shape[1], e, 10.0, True)
-    got = moe.moe_experts(xt, ids, wts, w13, s13, w2, s2, 10.0, True, torch.bfloat16, shared_ahead=(rows, lambda: main.wait_stream(side)))
-    same = torch.equal(got, want)
-    record("moe_experts", f"T={t} E={e} k=6+1", "shared ahead on a side stream", ok=same, same_bits=same)
-
-
 def section_moe() -> None:
     data = moe_data(max(ROWS))
     dense = dense_experts(*data[3:])
     fp4s = (fp4_stack(data[3]), fp4_stack(data[5]))
     for t in ROWS:
         guarded("moe_experts", f"T={t}", moe_case, t, data, dense, fp4s)
-        guarded("moe_experts", f"T={t} shared ahead", moe_shared_ahead_case, t, data)
 
 
 def section_moe_prefill() -> None:

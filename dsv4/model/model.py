@@ -95,29 +95,23 @@ class Carry:
 
 # Work that is read later than it can start, on side streams on the fast path (`Aside`;
 # False: in place, for A/B runs): V4.1's mHC mixes and engram values, and both models'
-# compressors and shared experts
+# compressors
 MIXES_ASIDE = True
 ENGRAM_ASIDE = True
 COMPRESSOR_ASIDE = True
-# off until a GPU has run it: built in the thirty-first session, whose device tries found no
-# machine; turn on once `golden` (graphs == eager) and the step A/B show it (docs/PERF.md)
-SHARED_EXPERT_ASIDE = False
 
 
 class Aside:
     """Work whose inputs are ready well before its output is read runs on a second CUDA
     stream on the fast path, beside the main stream's kernels (at decode most of them are
-    latency bound and leave HBM and SMs idle). Four uses (one Aside each, so none waits for
+    latency bound and leave HBM and SMs idle). Three uses (one Aside each, so none waits for
     another's queue): V4.1's mixes — a site collapses its input with the previous site's
     `pre`, so the site's own mixes (an fp32 GEMM of 80 small programs and a one-warp
     Sinkhorn epilogue, ~14 us a site, all latency) are first read after its sublayer; the
     engram values (table lookup + the 157 MB wkv projection), which need only the step's
-    hashes but are read at their layer; a layer's compressor (its projection GEMM, the
+    hashes but are read at their layer; and a layer's compressor (its projection GEMM, the
     pooling, the cache and tail stores), whose entries are first read by the layer's indexer or
-    attention, after the query projections; and (`SHARED_EXPERT_ASIDE`, off until measured)
-    the shared expert of the grouped MoE kernels (`MoE`), whose input and weight (1) are known
-    before the router has chosen the routed experts: its ~31 MB of weights stream while the
-    router's latency-bound kernels run, and the routed experts' slot sum joins it. Elsewhere (CPU, the reference path; V4's mixes,
+    attention, after the query projections. Elsewhere (CPU, the reference path; V4's mixes,
     its collapse reads the site's own `pre`) the work runs in place. The breakdown's sections
     then time the main stream's part; a wait at a join falls in the section that joins.
 
@@ -176,7 +170,6 @@ class Model:
         self.aside = Aside(self.device, MIXES_ASIDE and side)  # the mixes
         self.engram_aside = Aside(self.device, ENGRAM_ASIDE and side)
         self.compressor_aside = Aside(self.device, COMPRESSOR_ASIDE and fast_path and self.device.type == "cuda")
-        self.shared_aside = Aside(self.device, SHARED_EXPERT_ASIDE and fast_path and self.device.type == "cuda")
         self.rope = RopeTables(cfg, dtype, self.device)
         self.embed = weights["embed.weight"]
         self.head = weights["head.weight"]
@@ -222,7 +215,6 @@ class Model:
         self.aside.forget()
         self.engram_aside.forget()
         self.compressor_aside.forget()
-        self.shared_aside.forget()
         rows = step.enc
         return self._encode(step.input_ids, rows.req, rows.local, rows.positions, step.prev_tokens, _FastRows(step, cache), None, None)
 
@@ -234,7 +226,6 @@ class Model:
         self.aside.forget()  # (the encoder piece joined its own)
         self.engram_aside.forget()
         self.compressor_aside.forget()
-        self.shared_aside.forget()
         rows = _FastRows(step, cache)
         shared = dict(carry.shared)  # the split replaces the selections by the kept rows': not in the caller's carry
         keep = rows.split(shared) if self.split_at < len(self.blocks) else None
@@ -338,7 +329,7 @@ class Model:
                 f_pre, f_post, f_comb = self.aside.start(block.mixes, streams, "ffn")
                 h = block.collapse_norm(streams, f_pre, block.ffn_norm)
         with section("moe"):
-            y = block.ffn(h, carry.ids, trace, f"L{block.role.index}", self.shared_aside if self.shared_aside.stream is not None else None)
+            y = block.ffn(h, carry.ids, trace, f"L{block.role.index}")
         with section("mhc"):
             self.aside.join()
             if next_block is not None and self._input_with_expand(next_block):

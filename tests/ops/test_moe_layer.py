@@ -4,8 +4,6 @@ dequantised weights (the per-expert torch path), with the kernels in Triton's in
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -73,44 +71,6 @@ def test_grouped_moe_with_the_shared_expert_folded_in_matches_the_reference(monk
     assert torch.equal(small(x, ids), got) and calls == ["dense"]
 
 
-class _InPlaceAside:
-    """`model.Aside`'s interface, its work run in place (CPU), recording the calls."""
-
-    def __init__(self):
-        self.calls = []
-
-    def start(self, work, *args):
-        self.calls.append(work.__name__)
-        return work(*args)
-
-    def join(self) -> None:
-        self.calls.append("join")
-
-
-def test_shared_expert_ahead_of_the_router_gives_the_same_bits(monkeypatch):
-    """Given an aside (the fast path's side stream), the layer starts the shared expert on it
-    before routing and the grouped call joins it: the same bits as without. The dense path
-    (and FP8 activations) keep the shared expert in the stack and never fork."""
-    cfg = parse_config(tiny_config("v41"))
-    g = torch.Generator().manual_seed(9)
-    compact, _ = _weights(cfg, g)
-    x = (torch.randn(5, cfg.hidden_size, generator=g) * 2).bfloat16()
-    ids = torch.zeros(5, dtype=torch.long)
-    monkeypatch.setattr(dsv4.ops, "TRITON_ON_CPU", True)
-    fast = MoE(compact, "ffn.", cfg, cfg.n_routed_experts, cfg.num_experts_per_tok, False)
-    assert fast.shared_alone[0].shape[0] == 1 and fast.shared_alone[0].data_ptr() == fast.grouped[0][-1].data_ptr()
-    want = fast(x, ids)
-    aside = _InPlaceAside()
-    assert torch.equal(fast(x, ids, aside=aside), want)
-    assert aside.calls == ["moe_shared_ahead", "join"]
-    fp8 = MoE(compact, "ffn.", dataclasses.replace(cfg, fp8_activations=True), cfg.n_routed_experts, cfg.num_experts_per_tok, False)
-    aside = _InPlaceAside()
-    assert torch.equal(fp8(x, ids, aside=aside), fp8(x, ids)) and aside.calls == []
-    monkeypatch.setattr("dsv4.model.layers.moe.DENSE_EXPERT_PAIRS", 0)
-    fast(x, ids, aside=aside)
-    assert aside.calls == []
-
-
 def test_compact_fp4_experts_give_the_fp8_stacks_bits(monkeypatch):
     """The loader's default GPU form: FP4 experts in the kernels' layout, the FP8 shared expert
     as a separate stack of one. Same values as the FP8 conversion, so the same bits through
@@ -138,8 +98,6 @@ def test_compact_fp4_experts_give_the_fp8_stacks_bits(monkeypatch):
     assert fp4.shared_grouped[0].dtype == torch.float8_e4m3fn and fp4.shared_id == cfg.n_routed_experts
     got = fp4(x, ids)
     assert torch.equal(got, fp8(x, ids))
-    aside = _InPlaceAside()  # its shared expert (the separate FP8 stack of one) ahead of the router
-    assert torch.equal(fp4(x, ids, aside=aside), got) and aside.calls == ["moe_shared_ahead", "join"]
     assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
     monkeypatch.setattr("dsv4.model.layers.moe.DENSE_EXPERT_PAIRS", 0)
     assert torch.equal(fp4(x, ids), fp8(x, ids))

@@ -643,61 +643,6 @@ def test_moe_experts_fp4_give_the_bits_of_their_fp8_conversion(weight_before_dow
         assert torch.equal(got, want), kernel.__name__
 
 
-@pytest.mark.parametrize("weight_before_down", [True, False])
-# pair tiles (3 tokens x 3 slots), the layout's 16-pair tiles, the 64- and 128-pair classes
-@pytest.mark.parametrize("t,top_k,n_exp", [(3, 2, 8), (6, 2, 16), (40, 2, 4), (60, 2, 2)])
-def test_moe_shared_ahead_gives_the_bits_of_the_stack(weight_before_down, t, top_k, n_exp):
-    """The shared expert computed ahead of the routing (`moe_shared_ahead`, what the model runs
-    on a side stream while the router runs) and the routed experts written beside its rows
-    give the bits of the call that holds it as the FP8 stack's last expert — and of an FP4
-    stack's separate `shared` (V4's rounding before the shared expert too). The call joins the
-    ahead rows once, before its slot sum, and launches no shared expert itself: rows marked in
-    y stay as they were."""
-    d, inter, limit = 64, 96, 10.0
-    g, x, ids, weights, fp4, fp8 = _fp4_routed_case(t * 7 + top_k, t, top_k, n_exp, d, inter)
-    shared = [a.to(DEVICE) for a in _experts(1, d, inter, g)]
-    ids_s = torch.cat([ids, torch.full_like(ids[:, :1], n_exp)], 1)
-    weights_s = torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
-    with_shared = [torch.cat([a.to(DEVICE), b]) for a, b in zip(fp8, shared)]
-    k = top_k + 1
-    for after_rounding in (False, True):
-        want = moe.moe_experts(x, ids_s, weights_s, *with_shared, limit, weight_before_down, torch.bfloat16, shared_after_rounding=after_rounding)
-        for stack, separate in ((with_shared, None), ([a.to(DEVICE) for a in fp4], shared)):
-            joins = []
-            rows = moe.moe_shared_ahead(x, tuple(a[-1:] for a in with_shared), k, n_exp + 1, limit, weight_before_down)
-            got = moe.moe_experts(x, ids_s, weights_s, *stack, limit, weight_before_down, torch.bfloat16, shared=separate,
-                                  shared_after_rounding=after_rounding, shared_ahead=(rows, lambda: joins.append(1)))
-            assert torch.equal(got, want) and joins == [1], (after_rounding, stack[0].dtype)
-    # the call writes the routed rows only: marked shared rows come through to the sum
-    rows = torch.zeros(t * k, d, dtype=torch.bfloat16, device=DEVICE)
-    rows[k - 1 :: k] = 1.0
-    got = moe.moe_experts(x, ids_s, weights_s, *with_shared, limit, weight_before_down, torch.bfloat16, shared_ahead=(rows, lambda: None))
-    assert bool((rows[k - 1 :: k] == 1.0).all())
-    routed_only = moe.moe_experts(x, ids, weights, *[a.to(DEVICE) for a in fp8], limit, weight_before_down)
-    assert torch.equal(got, (routed_only + 1.0).bfloat16())
-
-
-def test_moe_shared_ahead_rejects_bad_inputs():
-    g = _gen(5)
-    x = torch.randn(2, 64, generator=g).bfloat16().to(DEVICE)
-    one = [a.to(DEVICE) for a in _experts(1, 64, 96, g)]
-    two = [a.to(DEVICE) for a in _experts(2, 64, 96, g)]
-    with pytest.raises(ValueError, match="one FP8 expert"):
-        moe.moe_shared_ahead(x, tuple(two), 3, 4, 10.0, True)
-    with pytest.raises(ValueError, match="topk 0"):
-        moe.moe_shared_ahead(x, tuple(one), 0, 4, 10.0, True)
-    with pytest.raises(ValueError, match="do not match"):
-        moe.moe_shared_ahead(x[:, :32], tuple(one), 3, 4, 10.0, True)
-    ids = torch.tensor([[0, 1], [1, 0]], device=DEVICE)
-    weights = torch.ones(2, 2, device=DEVICE)
-    rows = moe.moe_shared_ahead(x, tuple(one), 2, 2, 10.0, True)
-    for bad in (rows[:3], rows.float(), rows.t().contiguous().t()):  # short, fp32, column-major
-        with pytest.raises(ValueError, match=r"shared_ahead's rows must be contiguous bf16 \[T \* k, D\]"):
-            moe.moe_experts(x, ids, weights, *two, 10.0, True, shared_ahead=(bad, lambda: None))
-    with pytest.raises(ValueError, match="bf16 activations"):
-        moe.moe_experts(x, ids, weights, *two, 10.0, True, fp8_act=True, shared_ahead=(rows, lambda: None))
-
-
 @pytest.mark.parametrize("t,top_k,n_exp", [(3, 2, 8), (40, 2, 4), (60, 2, 2)])
 def test_moe_experts_fp4_slot_layout_gives_the_bits_of_fp8(t, top_k, n_exp):
     """Inputs in whole 128s: the FP4 words lie in slot order (`quant.fp4_kernel_layout`), read

@@ -59,7 +59,6 @@ class MoE:
         self.shared_grouped = None  # compact FP4 stacks: the FP8 shared expert as a stack of one
         self.shared_in_grouped = False
         self.shared_id = None  # the expert id the kernels give the shared expert (every token's last slot)
-        self.shared_alone = None
         if w1[0].scale is not None and on_triton(w1[0].weight):
             # compact experts on the GPU (FP8, or FP4 with fp4_experts): stacked once for
             # the grouped Triton kernels (the stacked copies replace the per-expert tensors)
@@ -80,8 +79,6 @@ class MoE:
                 torch.stack([d.scale for d in w2]),
             )
             self.experts = None
-            if self.shared_in_grouped:  # the shared expert alone, a stack of one (views): `moe_shared_ahead`
-                self.shared_alone = self.shared_grouped or tuple(t[-1:] for t in self.grouped)
             from dsv4.ops.triton.moe import dense_fits
 
             self.dense_fits = dense_fits(self.grouped[0])
@@ -102,21 +99,8 @@ class MoE:
             w3 += rows(w13[:, inter:], s13[:, inter:])
         return w1, w2, w3
 
-    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, trace: dict | None = None, tag: str = "", aside=None) -> torch.Tensor:
-        """`aside` (`model.Aside`, the fast path's): where the grouped kernels run the shared
-        expert, it runs on the aside's stream while the router runs (its input is final, its
-        routing weight 1), and the routed kernels write beside its rows."""
+    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, trace: dict | None = None, tag: str = "") -> torch.Tensor:
         cfg = self.cfg
-        experts = self.grouped[0].shape[0] + (self.shared_grouped is not None) if self.grouped is not None else len(self.experts[0])
-        kernels = self.grouped is not None and x.dtype == torch.bfloat16
-        width = self.top_k + self.shared_in_grouped
-        dense = kernels and x.shape[0] * width >= DENSE_EXPERT_PAIRS * experts and self.dense_fits
-        shared_ahead = None
-        if aside is not None and kernels and not dense and self.shared_in_grouped and not cfg.fp8_activations:
-            from dsv4.ops.triton.moe import moe_shared_ahead
-
-            rows = aside.start(moe_shared_ahead, x, self.shared_alone, width, experts, cfg.swiglu_limit, self.v41)
-            shared_ahead = (rows, aside.join)
         # the shared expert joins as every token's last slot when it is in the stack
         if self.v41:  # learned routing only
             weights, indices = moe_ops.route_scores(x, self.gate, self.bias, self.top_k, cfg.gate_temp,
@@ -127,19 +111,17 @@ class MoE:
                                                     cfg.norm_topk_prob, fixed, self.shared_id)
         if trace is not None and self.tid2eid is None:
             trace.setdefault(f"{tag}.experts", []).append(indices[:, : self.top_k].sort(dim=-1).values)
-        if kernels:
+        experts = self.grouped[0].shape[0] + (self.shared_grouped is not None) if self.grouped is not None else len(self.experts[0])
+        if self.grouped is not None and x.dtype == torch.bfloat16:
             from dsv4.ops.triton import moe_experts, moe_experts_dense
 
+            dense = indices.numel() >= DENSE_EXPERT_PAIRS * experts and self.dense_fits
+            grouped = moe_experts_dense if dense else moe_experts
             # with the shared expert in the stack the sum is the layer's output: rounded to the
             # activation dtype in the kernel (V4: the routed sum rounded, then the shared expert added)
             out_dtype = x.dtype if self.shared_in_grouped else torch.float32
-            after_rounding = self.shared_in_grouped and not self.v41
-            if dense:
-                routed = moe_experts_dense(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41, out_dtype, fp8_act=cfg.fp8_activations,
-                                           shared=self.shared_grouped, shared_after_rounding=after_rounding)
-            else:
-                routed = moe_experts(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41, out_dtype, fp8_act=cfg.fp8_activations,
-                                     shared=self.shared_grouped, shared_after_rounding=after_rounding, shared_ahead=shared_ahead)
+            routed = grouped(x, indices, weights, *self.grouped, cfg.swiglu_limit, self.v41, out_dtype, fp8_act=cfg.fp8_activations,
+                             shared=self.shared_grouped, shared_after_rounding=self.shared_in_grouped and not self.v41)
         else:
             routed = moe_ops.experts_forward(x, weights, indices, *self._unstacked(), cfg.swiglu_limit, self.v41)
         if self.shared_in_grouped:

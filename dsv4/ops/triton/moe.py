@@ -50,7 +50,6 @@ Expert ids must be in [0, E) (no expert-parallel "not local" marker yet).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import triton
@@ -278,9 +277,9 @@ def _tile_pairs(rows_ptr, tile_expert_ptr, pid_t, n_pairs, BLOCK_T: tl.constexpr
     PAIR_TILES: tile p holds pair p alone and tile_expert_ptr is the flat topk_ids.
     LAST_SLOT (k, the pairs per token; 0: off): the launch's one expert (index 0 of its
     weights) takes every token's last slot, tile p tokens p * BLOCK_T .. — the shared expert
-    (no layout needed: its pairs are known), of FP4 layers, whose weights are FP8, or run
-    ahead of the routing (`moe_shared_ahead`). Its routing weight is 1 (the routers append it
-    so), which the kernels then do not read: a product by 1 changes no bits."""
+    (no layout needed: its pairs are known) of FP4 layers, whose weights are FP8. Its routing
+    weight is 1 (the routers append it so), which the kernels then do not read: a product by 1
+    changes no bits."""
     if LAST_SLOT:
         e = pid_t.to(tl.int64) * 0
         token = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -857,34 +856,6 @@ def _bf16_launch(x: torch.Tensor, x_reg: bool, rows: torch.Tensor, tile_expert: 
     )
 
 
-def moe_shared_ahead(x: torch.Tensor, shared: tuple, topk: int, n_experts: int, limit: float, weight_before_down: bool) -> torch.Tensor:
-    """The shared expert's part of a `moe_experts` call, before the routing exists: `shared`
-    (w13, w13_scale, w2, w2_scale of one FP8 expert [1, ...]) on every token's last slot of a
-    routing k wide (`topk`, the shared slot included) over `n_experts` experts (the shared one
-    included: the call's row class). -> y bf16 [T * k, D] (the call's slot rows) with row
-    t * k + k - 1 = the shared expert's output for token t, the same bits `moe_experts` gives
-    it (the shared expert's routing weight is 1); pass it to `moe_experts` as `shared_ahead`.
-    Its inputs are final before the routing is, so the model issues this on a side stream
-    while the router runs (`MoE`)."""
-    t = x.shape[0]
-    d, inter, _ = _check_experts("moe_shared_ahead", x, *shared, None)
-    if shared[0].dtype != torch.float8_e4m3fn or shared[0].shape[0] != 1:
-        raise ValueError(f"moe_shared_ahead: the shared expert must be one FP8 expert [1, rows, inputs], got {shared[0].dtype} {list(shared[0].shape)}")
-    if topk < 1 or n_experts < 1:
-        raise ValueError(f"moe_shared_ahead: the routing width and expert count must be positive, got topk {topk}, n_experts {n_experts}")
-    n_pairs = t * topk
-    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
-    if t == 0:
-        return y
-    bt, gu, dn = _call_tiles("moe_shared_ahead", n_pairs, n_experts, d, inter, False, False)
-    x, x_reg = _bf16_x(x.contiguous(), bt)
-    act = torch.empty(triton.cdiv(t, bt) * bt, inter, dtype=torch.bfloat16, device=x.device)
-    no_layout = torch.empty(0, dtype=torch.int32, device=x.device)  # (LAST_SLOT launches read no layout nor routing weights)
-    _bf16_launch(x, x_reg, no_layout, no_layout, no_layout.float(), act, y, shared, False, 1, triton.cdiv(t, bt), topk, n_pairs,
-                 bt, gu, dn, False, limit, weight_before_down, topk)
-    return y
-
-
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -899,7 +870,6 @@ def moe_experts(
     fp8_act: bool = False,
     shared: tuple | None = None,
     shared_after_rounding: bool = False,
-    shared_ahead: tuple[torch.Tensor, Callable[[], None]] | None = None,
 ) -> torch.Tensor:
     """Routed experts of a flat batch -> fp32 [T, D] (see the module docstring), or with
     out_dtype bf16 that sum rounded once in the slot-sum kernel (V4.1's layer output: one
@@ -909,28 +879,15 @@ def moe_experts(
     run the bf16 kernels' FP4 variant; their `shared` expert (FP8, expert id E, every token's
     last slot) a second pair of launches over the same buffers, so that the slot sum adds it
     last as before. `shared_after_rounding` (V4, out_dtype bf16): the last slot, the shared
-    expert, is added in bf16 to the routed sum rounded to bf16 (`_slot_sums`).
-    `shared_ahead` (bf16 activations): (y, ready), y from `moe_shared_ahead`, which holds the
-    shared expert's rows already — the FP8 stack's last expert, or `shared` — so this call
-    launches the routed experts only, into y, and calls `ready()` (the join of the stream that
-    computed y) just before the slot sum reads it."""
+    expert, is added in bf16 to the routed sum rounded to bf16 (`_slot_sums`)."""
     _check_out_dtype("moe_experts", out_dtype)
     t, topk = topk_ids.shape
     d, inter, fp4 = _check_experts("moe_experts", x, w13, w13_scale, w2, w2_scale, shared)
     if fp8_act and fp4:
         raise ValueError("moe_experts: FP8 activations run FP8 expert stacks (the loader keeps FP8 experts under fp8_activations), got compact FP4")
-    if shared_ahead is not None and fp8_act:
-        raise ValueError("moe_experts: shared_ahead goes with bf16 activations (moe_shared_ahead runs the bf16 kernels)")
     n_experts = w13.shape[0] + (shared is not None)  # expert ids in [0, n_experts)
     n_pairs = t * topk
-    if shared_ahead is not None:
-        ahead = shared_ahead[0]
-        if tuple(ahead.shape) != (n_pairs, d) or ahead.dtype != torch.bfloat16 or ahead.device != x.device or not ahead.is_contiguous():
-            raise ValueError(f"moe_experts: shared_ahead's rows must be contiguous bf16 [T * k, D] = {[n_pairs, d]} on {x.device}, "
-                             f"got {ahead.dtype} {list(ahead.shape)} on {ahead.device}")
     if n_pairs == 0:  # no tokens, or k = 0
-        if shared_ahead is not None:
-            shared_ahead[1]()
         return torch.zeros(t, d, dtype=out_dtype, device=x.device)
     x = x.contiguous()
     ids = topk_ids.contiguous()
@@ -969,17 +926,14 @@ def moe_experts(
             **launch_options(dn), **pdl_launch(act_q.device),
         )
         return _slot_sums(y, ids, out_dtype, shared_after_rounding=shared_after_rounding)
-    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device) if shared_ahead is None else shared_ahead[0]
+    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     x, x_reg = _bf16_x(x, bt)
     def launch(stack: tuple, fp4: bool, experts: int, tiles: int, last_slot: int) -> None:
         _bf16_launch(x, x_reg, rows, tile_expert, weights, act, y, stack, fp4, experts, tiles, topk, n_pairs, bt, gu, dn, pair_tiles,
                      limit, weight_before_down, last_slot)
 
-    # with the shared rows ahead, an FP8 stack's last expert (the shared one) is skipped: its tiles exit at once
-    launch((w13, w13_scale, w2, w2_scale), fp4, w13.shape[0] - (shared_ahead is not None and shared is None), n_tiles, 0)
-    if shared is not None and shared_ahead is None:  # the shared expert's pairs: act rows = token rows (LAST_SLOT tiles are token blocks)
+    launch((w13, w13_scale, w2, w2_scale), fp4, w13.shape[0], n_tiles, 0)
+    if shared is not None:  # the shared expert's pairs: act rows = token rows (LAST_SLOT tiles are token blocks)
         launch(shared, False, 1, triton.cdiv(t, bt), topk)
-    if shared_ahead is not None:
-        shared_ahead[1]()
     return _slot_sums(y, ids, out_dtype, shared_after_rounding=shared_after_rounding)
