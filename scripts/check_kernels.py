@@ -1245,8 +1245,16 @@ def attention_case(t: int) -> None:
     # fp8_act_quant on the bf16 output: the same codes and exponent bytes
     codes, exps = attention.sparse_attention(**args, inverse_rope=(cos, sin), fp8_output=True)
     want_codes, want_exps = fp8_gemm.fp8_act_quant(attention.sparse_attention(**args, inverse_rope=(cos, sin)).view(t, -1), 32)
-    same = torch.equal(codes.view(t, -1).view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(exps, want_exps)
-    record("sparse_attention", case, "fp8 output in the epilogue vs fp8_act_quant", ok=same, same_bits=same)
+    code_diff = codes.view(t, -1).view(torch.uint8) != want_codes.view(torch.uint8)
+    exp_diff = exps != want_exps
+    same = not code_diff.any() and not exp_diff.any()
+    # where they differ: how many codes and exponent bytes, and in which channels of a block
+    where = code_diff.nonzero()
+    record("sparse_attention", case, "fp8 output in the epilogue vs fp8_act_quant", ok=same, same_bits=same,
+           codes_differing=int(code_diff.sum()), codes=code_diff.numel(), exps_differing=int(exp_diff.sum()),
+           first_differing=[(int(r), int(c), int(codes.view(t, -1).view(torch.uint8)[r, c]), int(want_codes.view(torch.uint8)[r, c]))
+                            for r, c in where[:6].tolist()],
+           channels_mod_32=sorted({int(c) % 32 for c in where[:, 1].tolist()})[:32] if len(where) else [])
     plan = attention_plan(t, args["q"].device, attention.CONFIG)
     if plan["DENSE_CKV"]:  # the default read the dense copy: the cache-key form too, and its bits
         y = attention.sparse_attention(**args)
