@@ -23,9 +23,9 @@ def _patch_interpreter() -> None:
     so do `cos` / `sin` (the RoPE tables') and `log1p` (V4's router); (5) inline PTX is
     refused: `ptx_emulator` runs the kernels' PTX blocks (used where a test asks for the
     compiled path, `ptx_in_interpreter`)."""
-    from ptx_emulator import emulate_inline_asm
     import numpy as np
     import triton.language as tl
+    from ptx_emulator import emulate_inline_asm  # (after triton: the ImportError caught below means no triton)
     from triton.language.extra import libdevice
     from triton.runtime import interpreter as interp
 
