@@ -318,6 +318,23 @@ def test_fp8_linear_w8a8_matches_quantised_reference(m, n, k, block):
     assert (y.double().cpu() - exact).abs().max() < 0.1 * exact.abs().max()
 
 
+@triton.jit
+def _e4m3_bits_kernel(v_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, fp8_gemm.e4m3_bits(tl.load(v_ptr + i)))
+
+
+def test_e4m3_bits_are_the_cast_for_every_code():
+    """`fp8_gemm.e4m3_bits` (the codes from the fp32 bits, no conversion instruction) gives
+    torch's e4m3 code for every finite e4m3 value: normals, subnormals, both zeros."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()
+    finite = ~values.isnan()
+    out = torch.empty(256, dtype=torch.int32, device=DEVICE)
+    _e4m3_bits_kernel[(1,)](values.to(DEVICE), out, N=256)
+    assert torch.equal(out.cpu()[finite], codes.int()[finite])
+
+
 def test_fp8_act_quant_bit_exact():
     g = _gen(3)
     x = torch.randn(9, 256, generator=g) * torch.logspace(-8, 3, 256).view(1, -1)

@@ -184,10 +184,13 @@ def topk_lowest_index_on_ties(scores: torch.Tensor, k: int):
 SCORE_BYTES = 1 << 28
 # Whether FP8 activations take wo_a's input from the PV epilogue (`sparse_attention(...,
 # fp8_output=True)`) instead of quantising the bf16 output in `grouped_linear`. Off: on the
-# device (H100, thirty-second session, check_kernels `attention`) the epilogue's codes are
-# right but for the even channel of every odd pair (channels 4i + 2, a quarter of them), which
-# is never written, at every T; the interpreter gives fp8_act_quant's bits. Until the device
-# check passes, the separate quantiser (one launch a layer) is what runs.
+# device (H100, thirty-second session, check_kernels `attention`) the epilogue's codes were
+# wrong for the even channel of every odd pair (channels 4i + 2) at every T, while the
+# interpreter gave fp8_act_quant's bits: sm_90's compiled cast, two values packed a 16-bit
+# register, read the second value's byte from a stale register. The epilogue now builds the
+# codes from their bits (`fp8_gemm.e4m3_bits`), not yet run on a device: turn this on once
+# check_kernels `attention` shows the same bits. Until then the separate quantiser (one launch
+# a layer) runs.
 FP8_OUTPUT_EPILOGUE = False
 
 

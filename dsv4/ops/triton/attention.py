@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.triton.fp8_gemm import e2m1_pair_ptx, e8m0_to_fp32, fp8_exponent, num_sms, pow2, ptx_convert, round_to_e4m3
+from dsv4.ops.triton.fp8_gemm import e2m1_pair_ptx, e4m3_bits, e8m0_to_fp32, fp8_exponent, num_sms, pow2, ptx_convert, round_to_e4m3
 from dsv4.ops.triton.pdl import begin, pdl_launch
 from dsv4.ops.triton.rowwise import rotate_pairs
 
@@ -674,9 +674,11 @@ def _pv_kernel(
             exp = fp8_exponent(tl.max(tl.where(which == b, mag, 0.0), axis=1))
             unit = tl.where(which == b, pow2(-exp)[:, None], unit)
             tl.store(out_exp_ptr + tok * stride_oe + (heads * DIM + 2 * p0) // RING_SCALE_BLOCK + b, (exp + 127).to(tl.uint8), mask=h_ok)
-        lo = round_to_e4m3(ev * unit).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int16)
-        hi = round_to_e4m3(od * unit).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int16)
-        tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + row // 2 + pair[None, :], lo | (hi << 8), mask=h_ok[:, None])  # one 16-bit store per pair
+        # the codes from their bits (`fp8_gemm.e4m3_bits`), not the cast: packed two values a
+        # register, the compiled cast lost every odd pair's even code (sm_90, Triton 3.6)
+        lo = e4m3_bits(round_to_e4m3(ev * unit))
+        hi = e4m3_bits(round_to_e4m3(od * unit))
+        tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + row // 2 + pair[None, :], (lo | (hi << 8)).to(tl.int16), mask=h_ok[:, None])  # one 16-bit store per pair
     else:
         lo = even.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # one int32 word of two channels per store
         hi = odd.to(tl.int16, bitcast=True).to(tl.int32) << 16

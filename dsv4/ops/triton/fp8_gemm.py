@@ -91,6 +91,21 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def e4m3_bits(v):
+    """The e4m3 codes (int32, 0 .. 255) of fp32 values that e4m3 holds exactly (`round_to_e4m3`'s
+    output), built from their bits in integer arithmetic: the codes the cast to float8e4nv
+    gives, without a conversion instruction. (In the attention's FP8 output epilogue the
+    compiled cast, packed two values a 16-bit register, lost the second value's code on sm_90:
+    docs/PERF.md, thirty-second session.) Normal codes from 2**-6 take the fp32 exponent less
+    120 and the top 3 mantissa bits; below, the subnormal codes are |v| / 2**-9 (0 .. 7)."""
+    bits = v.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    normal = ((exp - 120) << 3) | ((bits >> 20) & 7)
+    sub = (tl.abs(v) * 512.0).to(tl.int32)
+    return tl.where(exp >= 121, normal, sub) | ((bits >> 24) & 0x80)
+
+
+@triton.jit
 def pow2_ceil_exponent(t):
     """ceil(log2(t)) of positive normal fp32 t from its bits (`quant.pow2_ceil_exponent`)."""
     bits = t.to(tl.int32, bitcast=True)
