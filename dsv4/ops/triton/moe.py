@@ -822,12 +822,13 @@ def _bf16_x(x: torch.Tensor, bt: int) -> tuple[torch.Tensor, bool]:
 
 
 def _bf16_launch(x: torch.Tensor, x_reg: bool, rows: torch.Tensor, tile_expert: torch.Tensor, weights: torch.Tensor, act: torch.Tensor,
-                 y: torch.Tensor, stack: tuple, fp4: bool, experts: int, tiles: int, topk: int, n_pairs: int, bt: int, gu: dict,
+                 y: torch.Tensor, stack: tuple, fp4: bool, tiles: int, topk: int, n_pairs: int, bt: int, gu: dict,
                  dn: dict, pair_tiles: bool, limit: float, weight_before_down: bool, last_slot: int) -> None:
     """Kernels 1 and 2 over `tiles` row tiles of the layout (or, last_slot, of every token's
     last slot: the tiles are token blocks and the activations token rows) for the experts of
-    `stack` below `experts`; their rows of y."""
+    `stack`; their rows of y."""
     w13, w13_scale, w2, w2_scale = stack
+    experts = w13.shape[0]
     w13_scale, w2_scale = w13_scale.view(torch.uint8).contiguous(), w2_scale.view(torch.uint8).contiguous()
     d, inter = x.shape[1], act.shape[1]
     ptx = ptx_convert(x.device)
@@ -929,11 +930,11 @@ def moe_experts(
     y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
     act = torch.empty(n_tiles * bt, inter, dtype=torch.bfloat16, device=x.device)
     x, x_reg = _bf16_x(x, bt)
-    def launch(stack: tuple, fp4: bool, experts: int, tiles: int, last_slot: int) -> None:
-        _bf16_launch(x, x_reg, rows, tile_expert, weights, act, y, stack, fp4, experts, tiles, topk, n_pairs, bt, gu, dn, pair_tiles,
+    def launch(stack: tuple, fp4: bool, tiles: int, last_slot: int) -> None:
+        _bf16_launch(x, x_reg, rows, tile_expert, weights, act, y, stack, fp4, tiles, topk, n_pairs, bt, gu, dn, pair_tiles,
                      limit, weight_before_down, last_slot)
 
-    launch((w13, w13_scale, w2, w2_scale), fp4, w13.shape[0], n_tiles, 0)
+    launch((w13, w13_scale, w2, w2_scale), fp4, n_tiles, 0)
     if shared is not None:  # the shared expert's pairs: act rows = token rows (LAST_SLOT tiles are token blocks)
-        launch(shared, False, 1, triton.cdiv(t, bt), topk)
+        launch(shared, False, triton.cdiv(t, bt), topk)
     return _slot_sums(y, ids, out_dtype, shared_after_rounding=shared_after_rounding)
