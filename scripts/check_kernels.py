@@ -2533,7 +2533,8 @@ def compile_targets() -> list[tuple]:
                               LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS,
                               TICKET=split and cfg["BLOCK_T"] <= fp8_gemm.W8A16["TICKET_MAX_T"], A8=a8,
                               STEP=words and fp8_gemm.W8A16["STEP"] and 128 % cfg["BLOCK_K"] == 0, FRAGMENT=fragment,
-                              XREG=fragment and cfg["BLOCK_T"] <= fp8_gemm.W8A16["XREG_MAX_T"], WARPS=cfg["num_warps"])
+                              XREG=fragment and cfg["BLOCK_T"] <= fp8_gemm.W8A16["XREG_MAX_T"], WARPS=cfg["num_warps"],
+                              EVEN_N=True)  # (V4.1's projections are whole row tiles)
                 label = (f"w8a16 rows<={max_rows} BT={cfg['BLOCK_T']} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} b={block} split={split} "
                          f"{'fp8 inputs' if a8 else 'words' if words else 'bytes'}{' fragment' if fragment else ''}")
                 # every row class on wgmma: the batch-invariance contract (fp8_gemm.W8A16)
@@ -2584,7 +2585,7 @@ def compile_targets() -> list[tuple]:
                     # (FP4 stacks of whole 128s: slot order, whole 128-input steps, as `moe_experts` runs them)
                     consts = {"WEIGHT_BEFORE_DOWN": before, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"],
                               "BLOCK_K": 128 if variant["FP4"] else part["BLOCK_K"], "EVEN_K": True, "PTX": True,
-                              "FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": variant["FP4"], **variant}
+                              "FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": variant["FP4"], "EVEN_N": True, **variant}
                     if name == "gate_up":
                         consts.update(TOPK=7, HAS_LIMIT=True, STACK=part.get("STACK", False), ACT_FRAGMENT=True,
                                       XREG=cfg["BLOCK_T"] <= moe.MOE["XREG_MAX_T"])
@@ -2604,7 +2605,8 @@ def compile_targets() -> list[tuple]:
     for pair_tiles in (False, True):
         consts = {"WEIGHT_BEFORE_DOWN": True, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_N": part["BLOCK_N"], "BLOCK_K": part["BLOCK_K"], "EVEN_K": True, "PTX": True,
                   "WORDS": 128 % part["BLOCK_K"] == 0, "PAIR_TILES": pair_tiles, "TOPK": 7, "HAS_LIMIT": True, "STACK": True, "FP4": False, "LAST_SLOT": 0,
-                  "FRAGMENT": True, "ACT_FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": False, "XREG": cfg["BLOCK_T"] <= moe.MOE["XREG_MAX_T"]}
+                  "FRAGMENT": True, "ACT_FRAGMENT": True, "WARPS": part["num_warps"], "SLOTS": False, "XREG": cfg["BLOCK_T"] <= moe.MOE["XREG_MAX_T"],
+                  "EVEN_N": True}
         label = f"moe gate_up BT={cfg['BLOCK_T']} BN={part['BLOCK_N']} BK={part['BLOCK_K']} stacked{' pair-tiles' if pair_tiles else ''}"
         out.append((label, moe._gate_up_kernel, gate_up, consts, fp8_gemm.launch_options(part), "wgmma"))
     # the FP8-activation kernels (fp8_act), every row class

@@ -58,7 +58,7 @@ import triton.language as tl
 from dsv4.model import quant
 from dsv4.ops.triton.fp8_gemm import (
     dequant_fp4, dequant_fp8, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, fp8_quantise, fragment_dot_order, fragment_order,
-    fragment_order_tile, fragment_rows, launch_options, ptx_convert, step_dot, step_tile, wgmma_tile_error,
+    fragment_order_tile, fragment_rows, launch_options, ptx_convert, rows_below, step_dot, step_tile, wgmma_tile_error,
 )
 from dsv4.ops.triton.pdl import begin, pdl_launch
 
@@ -352,7 +352,8 @@ def _gate_up_kernel(
     TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, STACK: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
-    FRAGMENT: tl.constexpr, ACT_FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr, XREG: tl.constexpr, PDL: tl.constexpr,
+    FRAGMENT: tl.constexpr, ACT_FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr, XREG: tl.constexpr,
+    EVEN_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[row tile, n tile] = swiglu(x_tok @ w1^T, x_tok @ w3^T) (* routing weight), computed
     transposed (the expert's rows as the wgmma's M, the tile's pairs as its N; see `MOE`), one
@@ -381,7 +382,7 @@ def _gate_up_kernel(
     if FRAGMENT:
         r = fragment_rows(r, BLOCK_N, WARPS)
     rn, w_row = _gate_up_rows(pid_n, I, r, BLOCK_N, STACK)
-    n_ok = rn < I
+    n_ok = rows_below(rn, I, EVEN_N)
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
     gate_rows = w_ptr + e * stride_we + w_row[:, None] * stride_wn
     up_rows = gate_rows + I * stride_wn  # (STACK: unused)
@@ -408,7 +409,7 @@ def _gate_up_kernel(
             acc_up = step_dot(fragment_dot_order(wu, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_up, not PTX)
     gate, up = _gate_up_split(acc_gate, acc_up, BLOCK_N, BLOCK_T, STACK)
     rn = pid_n * (BLOCK_N // 2 if STACK else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if STACK else BLOCK_N)  # one channel per gate row
-    n_ok = rn < I
+    n_ok = rows_below(rn, I, EVEN_N)
     act = _swiglu(gate, up, limit, HAS_LIMIT)
     if WEIGHT_BEFORE_DOWN and not LAST_SLOT:  # (the shared expert's weight is 1: see `_tile_pairs`)
         act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[None, :]
@@ -424,7 +425,7 @@ def _down_kernel(
     WEIGHT_BEFORE_DOWN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     WORDS: tl.constexpr, PAIR_TILES: tl.constexpr, FP4: tl.constexpr, LAST_SLOT: tl.constexpr,
-    FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr,
+    FRAGMENT: tl.constexpr, WARPS: tl.constexpr, SLOTS: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[(token, slot)] = bf16(act @ w2^T) (V4: times the routing weight, rounded to bf16),
     computed transposed like `_gate_up_kernel` (FP4, LAST_SLOT, FRAGMENT: as there; the
@@ -441,7 +442,7 @@ def _down_kernel(
     if FRAGMENT:
         r = fragment_rows(r, BLOCK_N, WARPS)
     w_n = pid_n * BLOCK_N + r  # the weight row of each tile row
-    n_ok = w_n < D
+    n_ok = rows_below(w_n, D, EVEN_N)
     a_rows = act_ptr + offs.to(tl.int64)[:, None] * stride_act
     w_rows = w_ptr + e * stride_we + w_n[:, None] * stride_wn
     scales = s_ptr + e * stride_se + w_n * stride_sn
@@ -843,6 +844,7 @@ def _bf16_launch(x: torch.Tensor, x_reg: bool, rows: torch.Tensor, tile_expert: 
         BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
         WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stacked, FP4=fp4, LAST_SLOT=last_slot,
         FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and quant.fp4_slot_order(d), XREG=x_reg,
+        EVEN_N=inter % (gu["BLOCK_N"] // 2 if stacked else gu["BLOCK_N"]) == 0,
         **launch_options(gu), **pdl_launch(x.device),
     )
     _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
@@ -852,7 +854,7 @@ def _bf16_launch(x: torch.Tensor, x_reg: bool, rows: torch.Tensor, tile_expert: 
         WEIGHT_BEFORE_DOWN=weight_before_down,
         BLOCK_T=bt, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], EVEN_K=inter % dn["BLOCK_K"] == 0, PTX=ptx,
         WORDS=_words(ptx, w2, w2_scale, dn["BLOCK_K"]), PAIR_TILES=pair_tiles, FP4=fp4, LAST_SLOT=last_slot,
-        FRAGMENT=act_fragment, WARPS=dn["num_warps"], SLOTS=fp4 and quant.fp4_slot_order(inter),
+        FRAGMENT=act_fragment, WARPS=dn["num_warps"], SLOTS=fp4 and quant.fp4_slot_order(inter), EVEN_N=d % dn["BLOCK_N"] == 0,
         **launch_options(dn), **pdl_launch(act.device),
     )
 
