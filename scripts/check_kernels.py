@@ -2533,8 +2533,7 @@ def compile_targets() -> list[tuple]:
                               LOADS=fp8_gemm.REDUCE_LOADS, ROWS=fp8_gemm.REDUCE_ROWS,
                               TICKET=split and cfg["BLOCK_T"] <= fp8_gemm.W8A16["TICKET_MAX_T"], A8=a8,
                               STEP=words and fp8_gemm.W8A16["STEP"] and 128 % cfg["BLOCK_K"] == 0, FRAGMENT=fragment,
-                              XREG=fragment and cfg["BLOCK_T"] <= fp8_gemm.W8A16["XREG_MAX_T"], WARPS=cfg["num_warps"],
-                              EVEN_N=True)  # (V4.1's projections are whole row tiles)
+                              XREG=fragment and cfg["BLOCK_T"] <= fp8_gemm.W8A16["XREG_MAX_T"], WARPS=cfg["num_warps"])
                 label = (f"w8a16 rows<={max_rows} BT={cfg['BLOCK_T']} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} b={block} split={split} "
                          f"{'fp8 inputs' if a8 else 'words' if words else 'bytes'}{' fragment' if fragment else ''}")
                 # every row class on wgmma: the batch-invariance contract (fp8_gemm.W8A16)

@@ -345,17 +345,6 @@ def fp4_word_slot(w):
 
 
 @triton.jit
-def rows_below(rows, limit, EVEN_N: tl.constexpr):
-    """rows < limit; EVEN_N (the launcher's promise that every tile's rows are below limit): a
-    constant True instead, so that the compiler drops the weight loads' row masks and the
-    predicate arithmetic that the pipelined copies repeat every K step (sm_90, Triton 3.6: the
-    MoE gate_up K step 319 -> 297 instructions at the 16-pair class)."""
-    if EVEN_N:
-        return tl.full(rows.shape, 1, tl.int1)
-    return rows < limit
-
-
-@triton.jit
 def halves(t):
     """[R, 2C] -> its two halves [R, C] along the last dim."""
     return tl.split(tl.permute(tl.reshape(t, (t.shape[0], 2, t.shape[1] // 2)), (0, 2, 1)))
@@ -660,7 +649,7 @@ def _w8a16_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, WORDS: tl.constexpr,
     LOADS: tl.constexpr, ROWS: tl.constexpr, TICKET: tl.constexpr, A8: tl.constexpr, STEP: tl.constexpr,
-    FRAGMENT: tl.constexpr, XREG: tl.constexpr, WARPS: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
+    FRAGMENT: tl.constexpr, XREG: tl.constexpr, WARPS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One output tile, transposed: acc [BLOCK_N, BLOCK_T] = dequant(w tile) @ x tile^T, K chunk
     by K chunk (the weight rows as the wgmma's M; see the knobs above).
@@ -705,7 +694,7 @@ def _w8a16_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rp = tl.arange(0, PIECE)
     t_ok = rt < M
-    n_ok = rows_below(rn, N, EVEN_N)
+    n_ok = rn < N
     # int64 rows (and at the stores): M x N passes 2**31 from 64K rows of wq_b. Grouped
     # (GROUP_ROWS weight rows per group): the tile's group reads its own K inputs of x.
     x_rows = x_ptr + rt.to(tl.int64)[:, None] * stride_xm + (pid_n * BLOCK_N // GROUP_ROWS) * K
@@ -714,7 +703,7 @@ def _w8a16_kernel(
         rw = pid_n * BLOCK_N + fragment_rows(tl.arange(0, BLOCK_N), BLOCK_N, WARPS)
     else:
         rw = rn
-    w_ok = rows_below(rw, N, EVEN_N)
+    w_ok = rw < N
     w_rows = w_ptr + rw[:, None] * stride_wn
     s_rows = s_ptr + (rw // QBLOCK) * stride_sn
     if SPLIT:
@@ -967,7 +956,7 @@ def fp8_linear_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
         QBLOCK=block, PIECE=min(block, 32), BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, GROUP_T=cfg["GROUP_T"],
         SPLIT=split, EVEN_K=k % bk == 0, PTX=ptx, WORDS=words,
         LOADS=REDUCE_LOADS, ROWS=REDUCE_ROWS, TICKET=ticket, A8=a8, STEP=words and w8a16_step(w_scale, block, bk),
-        FRAGMENT=fragment, XREG=xreg, WARPS=cfg["num_warps"], EVEN_N=n % bn == 0, **pdl_launch(x.device), **launch_options(cfg),
+        FRAGMENT=fragment, XREG=xreg, WARPS=cfg["num_warps"], **pdl_launch(x.device), **launch_options(cfg),
     )
     if split and not ticket:
         sum_chunks(part, out)

@@ -58,7 +58,7 @@ import triton.language as tl
 from dsv4.model import quant
 from dsv4.ops.triton.fp8_gemm import (
     dequant_fp4, dequant_fp8, e8m0_to_fp32, fp8_act_fake_quant, fp8_act_quant, fp8_quantise, fragment_dot_order, fragment_order,
-    fragment_order_tile, fragment_rows, launch_options, ptx_convert, rows_below, step_dot, step_tile, wgmma_tile_error,
+    fragment_order_tile, fragment_rows, launch_options, ptx_convert, step_dot, step_tile, wgmma_tile_error,
 )
 from dsv4.ops.triton.pdl import begin, pdl_launch
 
@@ -319,6 +319,19 @@ def _swiglu_rows_kernel(h_ptr, rw_ptr, act_ptr, P, I, stride_h, stride_act, limi
 
 
 @triton.jit
+def _rows_below(rows, limit, EVEN_N: tl.constexpr):
+    """rows < limit; EVEN_N (the launcher's promise that every tile's rows are below limit, as
+    at V4.1's shapes): a constant True instead, so that the compiler drops the weight loads' row
+    masks and the predicate arithmetic the pipelined copies repeat every K step. sm_90 K step
+    (Triton 3.6): gate_up 319 -> 297 instructions at the 16-pair class, 267 -> 248 at one token;
+    down 472 -> 446, 454 -> 429. Steps on the H100 (thirty-third session): d64_32k -1.2%, d1_8k
+    level. (The weight-only GEMM's 16-row class, given the same, ran d1_8k 3% slower.)"""
+    if EVEN_N:
+        return tl.full(rows.shape, 1, tl.int1)
+    return rows < limit
+
+
+@triton.jit
 def _gate_up_rows(pid_n, I, r, BLOCK_N: tl.constexpr, STACK: tl.constexpr):
     """-> (output channel rn, weight row) of the gate_up program's rows r (of BLOCK_N). STACK:
     row r is gate row pid_n * BLOCK_N / 2 + r for r < BLOCK_N / 2 and its up row after; else
@@ -382,7 +395,7 @@ def _gate_up_kernel(
     if FRAGMENT:
         r = fragment_rows(r, BLOCK_N, WARPS)
     rn, w_row = _gate_up_rows(pid_n, I, r, BLOCK_N, STACK)
-    n_ok = rows_below(rn, I, EVEN_N)
+    n_ok = _rows_below(rn, I, EVEN_N)
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
     gate_rows = w_ptr + e * stride_we + w_row[:, None] * stride_wn
     up_rows = gate_rows + I * stride_wn  # (STACK: unused)
@@ -409,7 +422,7 @@ def _gate_up_kernel(
             acc_up = step_dot(fragment_dot_order(wu, BLOCK_N, BLOCK_K, FRAGMENT, WARPS, _LANE_INPUTS), x, acc_up, not PTX)
     gate, up = _gate_up_split(acc_gate, acc_up, BLOCK_N, BLOCK_T, STACK)
     rn = pid_n * (BLOCK_N // 2 if STACK else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if STACK else BLOCK_N)  # one channel per gate row
-    n_ok = rows_below(rn, I, EVEN_N)
+    n_ok = _rows_below(rn, I, EVEN_N)
     act = _swiglu(gate, up, limit, HAS_LIMIT)
     if WEIGHT_BEFORE_DOWN and not LAST_SLOT:  # (the shared expert's weight is 1: see `_tile_pairs`)
         act = act * tl.load(rw_ptr + pair, mask=valid, other=0.0)[None, :]
@@ -442,7 +455,7 @@ def _down_kernel(
     if FRAGMENT:
         r = fragment_rows(r, BLOCK_N, WARPS)
     w_n = pid_n * BLOCK_N + r  # the weight row of each tile row
-    n_ok = rows_below(w_n, D, EVEN_N)
+    n_ok = _rows_below(w_n, D, EVEN_N)
     a_rows = act_ptr + offs.to(tl.int64)[:, None] * stride_act
     w_rows = w_ptr + e * stride_we + w_n[:, None] * stride_wn
     scales = s_ptr + e * stride_se + w_n * stride_sn
