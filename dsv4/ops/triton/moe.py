@@ -848,7 +848,8 @@ def _bf16_launch(x: torch.Tensor, x_reg: bool, rows: torch.Tensor, tile_expert: 
     ptx = ptx_convert(x.device)
     x_fragment, act_fragment = d % FRAGMENT_BLOCK == 0, inter % FRAGMENT_BLOCK == 0
     stacked = gu.get("STACK", False)
-    _gate_up_kernel[(tiles, triton.cdiv(inter, gu["BLOCK_N"] // 2 if stacked else gu["BLOCK_N"]))](
+    channels = gu["BLOCK_N"] // 2 if stacked else gu["BLOCK_N"]  # a gate_up program's output channels
+    _gate_up_kernel[(tiles, triton.cdiv(inter, channels))](
         x, w13, w13_scale, rows, tile_expert, weights, act,
         n_pairs, experts, d, inter,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), act.stride(0),
@@ -857,7 +858,7 @@ def _bf16_launch(x: torch.Tensor, x_reg: bool, rows: torch.Tensor, tile_expert: 
         BLOCK_T=bt, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], EVEN_K=d % gu["BLOCK_K"] == 0, PTX=ptx,
         WORDS=_words(ptx, w13, w13_scale, gu["BLOCK_K"]), PAIR_TILES=pair_tiles, STACK=stacked, FP4=fp4, LAST_SLOT=last_slot,
         FRAGMENT=x_fragment, ACT_FRAGMENT=act_fragment, WARPS=gu["num_warps"], SLOTS=fp4 and quant.fp4_slot_order(d), XREG=x_reg,
-        EVEN_N=inter % (gu["BLOCK_N"] // 2 if stacked else gu["BLOCK_N"]) == 0,
+        EVEN_N=inter % channels == 0,
         **launch_options(gu), **pdl_launch(x.device),
     )
     _down_kernel[(tiles, triton.cdiv(d, dn["BLOCK_N"]))](
