@@ -834,6 +834,41 @@ def test_moe_experts_384_experts_stay_in_bounds(monkeypatch, t, max_pairs, pair_
     assert not y.isnan().any() and _rel_err(y, ref) <= 2 * BF16_REL
 
 
+class _LaunchSpy:
+    """A Triton kernel whose launches record their keyword arguments, then run."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("d,inter", [(64, 96), (128, 128)])
+def test_moe_experts_drop_row_masks_only_for_whole_tiles(monkeypatch, d, inter):
+    """The bf16 kernels load weight rows without masks (EVEN_N) only where the launch's row
+    tiles divide the rows: D = 64 under down's 128-row tile, or I = 96 under 64 gate rows,
+    keep them (a tile's rows past the weight would be read), D = I = 128 drops them."""
+    t, top_k, n_exp = 40, 2, 4  # 20 pairs an expert: the 48-pair class, gate and up apart in 64 rows each
+    g = _gen(d + inter)
+    x = (torch.randn(t, d, generator=g) * 2).bfloat16()
+    w13, s13, w2, s2 = _experts(n_exp, d, inter, g)
+    weights, ids = moe_ref.route(moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g)), torch.zeros(n_exp), top_k, None, 1.5, True)
+    spies = {name: _LaunchSpy(getattr(moe, name)) for name in ("_gate_up_kernel", "_down_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(moe, name, spy)
+    y = moe.moe_experts(*[a.to(DEVICE) for a in (x, ids, weights, w13, s13, w2, s2)], 10.0, True)
+    _, gu, dn = moe._call_tiles("moe_experts", t * top_k, n_exp, d, inter, False, False)
+    assert not gu.get("STACK", False) and gu["BLOCK_N"] == 64 and dn["BLOCK_N"] == 128
+    gate_up, down = spies["_gate_up_kernel"].launches, spies["_down_kernel"].launches
+    assert [k["EVEN_N"] for k in gate_up] == [inter % 64 == 0] and [k["EVEN_N"] for k in down] == [d % 128 == 0]
+    assert _rel_err(y, _moe_reference(x, ids, weights, w13, s13, w2, s2, 10.0)) <= 2 * BF16_REL
+
+
 def test_moe_experts_far_experts_use_64_bit_offsets():
     """Expert e's weights start e * stride(0) elements in: at V4.1's shapes that passes 2**31
     from expert 91 of w13 (182 of w2) on, where int32 offsets wrapped on the device (wrong
