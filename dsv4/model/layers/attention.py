@@ -183,16 +183,13 @@ def topk_lowest_index_on_ties(scores: torch.Tensor, k: int):
 # Rows of one indexer score table per call: bounds a long prefill's [rows, entries] scores.
 SCORE_BYTES = 1 << 28
 # Whether FP8 activations take wo_a's input from the PV epilogue (`sparse_attention(...,
-# fp8_output=True)`) instead of quantising the bf16 output in `grouped_linear`. Off: on the
-# device (H100, thirty-second session, check_kernels `attention`) the epilogue's codes were
-# wrong for the even channel of every odd pair (channels 4i + 2) at every T, while the
-# interpreter gave fp8_act_quant's bits: sm_90's compiled cast, two values packed a 16-bit
-# register, read the second value's byte from a stale register. The epilogue now builds the
-# codes from their bits (`fp8_gemm.e4m3_bits`): the same bits as fp8_act_quant on the device at
-# T = 1 and 8 (H100, thirty-third session; the section's budget ran out before T = 64, 256 and
-# 4096, which compile other slice counts). Turn this on once check_kernels `attention` shows
-# the same bits at every T and insitu8 passes with it. Until then the separate quantiser (one
-# launch a layer) runs.
+# fp8_output=True)`) instead of quantising the bf16 output in `grouped_linear`. The epilogue
+# builds the codes from their bits (`fp8_gemm.e4m3_bits`; sm_90's compiled cast had read a
+# stale register for a quarter of them, thirty-second session): the same bits as fp8_act_quant
+# on the device at T = 1, 8, 64, 256 and 4096, and insitu8 passes with it (H100, thirty-fourth
+# session). Off because it does not pay: graph-replayed steps under --fp8-activations were
+# -1.5% at d1_8k, +1.1% at d64_32k, level at p8k (docs/PERF.md, S34-3), so the separate
+# quantiser (one launch a layer) runs.
 FP8_OUTPUT_EPILOGUE = False
 
 
