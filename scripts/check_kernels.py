@@ -2980,6 +2980,28 @@ def section_compile() -> None:
         guarded("compile_sm90", target[0], compile_case, *target)
 
 
+def _compile_share(index: int, count: int) -> list[dict]:
+    """One worker's share of `compile_targets()` (every count-th from index): its records."""
+    for target in compile_targets()[index::count]:
+        guarded("compile_sm90", target[0], compile_case, *target)
+    return RECORDS
+
+
+def compile_all(jobs: int) -> None:
+    """`section_compile` over `jobs` processes: each compile is one CPU-bound thread (Triton's
+    passes, then ptxas), so on CI's two cores two workers halve the suite's longest test. Forked
+    workers (no CUDA is touched); the records come back in target order within each share."""
+    if jobs <= 1:
+        section_compile()
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        for share in pool.map(_compile_share, range(jobs), [jobs] * jobs):
+            RECORDS.extend(share)
+
+
 # ------------------------------------------------------------------------------ driver
 
 
@@ -3031,13 +3053,14 @@ def main() -> int:
                         help=f"comma-separated subset of {list(SECTIONS)} (default: all but {list(ON_REQUEST)})")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all sections together")
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90 here (no GPU needed) and report registers / spills")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="--compile-only: compiling processes (default: one per CPU)")
     parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.section:
         return run_section(args.section, args.json)
     if args.compile_only:
-        section_compile()
+        compile_all(args.jobs)
         for line in summary(RECORDS):
             print(line)
         errors = [r for r in RECORDS if r["impl"] == "error"]
