@@ -3053,7 +3053,8 @@ def main() -> int:
                         help=f"comma-separated subset of {list(SECTIONS)} (default: all but {list(ON_REQUEST)})")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all sections together")
     parser.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90 here (no GPU needed) and report registers / spills")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="--compile-only: compiling processes (default: one per CPU)")
+    parser.add_argument("--jobs", type=int, default=min(8, len(os.sched_getaffinity(0))),
+                        help="--compile-only: compiling processes (default: one per CPU this process may use, at most 8: each holds its own torch and Triton)")
     parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
