@@ -2975,24 +2975,20 @@ def compile_case(label: str, kernel, types: dict, consts: dict, options: dict, m
     record("compile_sm90", label, "triton", ok=True, seconds=time.time() - start, shared_bytes=compiled.metadata.shared, mma=mma, **usage)
 
 
-def section_compile() -> None:
-    for target in compile_targets():
-        guarded("compile_sm90", target[0], compile_case, *target)
-
-
 def _compile_share(index: int, count: int) -> list[dict]:
-    """One worker's share of `compile_targets()` (every count-th from index): its records."""
+    """Compile every count-th of `compile_targets()` from index; its records."""
     for target in compile_targets()[index::count]:
         guarded("compile_sm90", target[0], compile_case, *target)
     return RECORDS
 
 
 def compile_all(jobs: int) -> None:
-    """`section_compile` over `jobs` processes: each compile is one CPU-bound thread (Triton's
-    passes, then ptxas), so on CI's two cores two workers halve the suite's longest test. Forked
-    workers (no CUDA is touched); the records come back in target order within each share."""
+    """Compile every target over `jobs` processes: each compile is one CPU-bound thread
+    (Triton's passes, then ptxas), so on CI's two cores two workers halve the suite's longest
+    test. Forked workers (no CUDA is touched); the records come back in target order within
+    each share."""
     if jobs <= 1:
-        section_compile()
+        _compile_share(0, 1)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
