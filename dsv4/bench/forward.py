@@ -67,7 +67,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from dsv4.bench.roofline import (
+    BF16_FLOPS_PER_S,
     COMPONENTS,
+    FP8_FLOPS_PER_S,
+    HBM_BYTES_PER_S,
     Case,
     CaseError,
     RequestPlan,
@@ -562,7 +565,9 @@ def _ms(value: float) -> str:
 
 def tables(doc: dict) -> list[Table]:
     """The console report: steps vs floor and baseline; time by component; floor by component."""
-    main = Table(title=f"forward steps ({doc['fast_path']}, {doc['dtype']} on {doc['device_name']})")
+    main = Table(title=f"forward steps ({doc['fast_path']}, {doc['dtype']} on {doc['device_name']})",
+                 caption=f"floor: the H200's, whatever GPU ran the steps ({HBM_BYTES_PER_S / 1e12:.1f} TB/s HBM, {FP8_FLOPS_PER_S / 1e12:.0f}"
+                         f" TFLOP/s FP8, {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s BF16; dsv4/bench/roofline.py); x floor = step ms / floor ms")
     for col in ("case", "reqs", "new tok", "rows", "step ms", "sync ms", "eager ms", "tok/s", "floor ms", "mem | compute ms", "bound", "x floor", "ref ms", "ref/fast"):
         main.add_column(col, justify="left" if col == "case" else "right")
     parts = Table(title="step time by component, % (attention excludes the indexer)")
@@ -585,7 +590,7 @@ def tables(doc: dict) -> list[Table]:
             ratio = f"{e['reference_ratio']:.2f}" if e["reference_ratio"] else "-"
             step = _ms(f["median_ms"]) + ({"decode": " (graph)", "piecewise": " (2 graphs)"}.get(f.get("graph_kind"), ""))
             sync = _ms(f["sync_median_ms"]) if f.get("sync_median_ms") is not None else "-"
-            main.add_row(*sizes, step, sync, _ms(f["eager_median_ms"]), f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}", *floors, f"{e['floor_ratio']:,.1f}", ref, ratio)
+            main.add_row(*sizes, step, sync, _ms(f["eager_median_ms"]), f"{rate:,.0f}" if rate >= 100 else f"{rate:.1f}", *floors, f"{e['floor_ratio']:,.2f}", ref, ratio)
             if f["breakdown_pct"] is not None:
                 parts.add_row(e["name"], *[f"{f['breakdown_pct'][c]:.1f}" for c in (*COMPONENTS, "other")])
         comps = fl["components"]

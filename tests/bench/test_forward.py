@@ -14,6 +14,7 @@ import torch
 from dsv4.bench.forward import bench_config, build_case, register_forward, time_step
 from dsv4.bench.roofline import (
     COMPONENTS,
+    HBM_BYTES_PER_S,
     CaseError,
     Group,
     case_floor,
@@ -347,6 +348,8 @@ def test_bench_forward_end_to_end_on_cpu(tmp_path, capsys):
         assert set(c["floor"]["components"]) == set(COMPONENTS) and c["floor"]["floor_ms"] > 0
         assert c["floor_ratio"] == pytest.approx(fast["median_ms"] / c["floor"]["floor_ms"])
         assert "skipped" in c["reference"] and c["reference_ratio"] is None  # no baseline by default on CPU
+        assert f" {c['floor_ratio']:,.2f} " in printed  # the ratio the targets are read at (1.43x), to 2 decimals
+    assert f"floor: the H200's, whatever GPU ran the steps ({HBM_BYTES_PER_S / 1e12:.1f} TB/s HBM" in printed
     assert [c["rows"] for c in doc["cases"]] == [2, 32, 16]  # the hit replays 8 tokens
     assert doc["cases"][1]["fast"]["breakdown_ms"]["compressor"] > 0
     assert doc["cases"][0]["fast"]["breakdown_ms"]["engram"] > 0
