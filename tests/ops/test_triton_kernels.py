@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -443,19 +444,13 @@ def test_fp8_linear_w8a16_bits_do_not_depend_on_tiles(monkeypatch, block, chunks
         {"BLOCK_T": 256, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_T": 1, "num_warps": 4, "num_stages": 2},
     ]
     launches = []  # each launch's options: a tile's register cap must reach Triton
-    kernel = fp8_gemm._w8a16_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(kwargs) or kernel[grid](*args, **kwargs)
-
-    monkeypatch.setattr(fp8_gemm, "_w8a16_kernel", Spy())
+    monkeypatch.setattr(fp8_gemm, "_w8a16_kernel", _Launches(fp8_gemm._w8a16_kernel, "_w8a16_kernel", launches))
     for split in (1.0, 0.0):
         for cfg in tilings:
             monkeypatch.setitem(fp8_gemm.W8A16, "rows", ((None, cfg),))
             monkeypatch.setitem(fp8_gemm.W8A16, "SPLIT_TILES_PER_SM", split)
             assert torch.equal(fp8_gemm.fp8_linear_w8a16(x, w, s, block), base), (cfg, split)
-            assert launches[-1].get("maxnreg") == cfg.get("maxnreg"), cfg
+            assert launches[-1].kwargs.get("maxnreg") == cfg.get("maxnreg"), cfg
 
 
 def test_w8a16_tiles_must_be_whole_wgmma(monkeypatch):
@@ -834,18 +829,25 @@ def test_moe_experts_384_experts_stay_in_bounds(monkeypatch, t, max_pairs, pair_
     assert not y.isnan().any() and _rel_err(y, ref) <= 2 * BF16_REL
 
 
-class _LaunchSpy:
-    """A Triton kernel whose launches record their keyword arguments, then run."""
+class _Launch(NamedTuple):
+    name: str
+    grid: tuple
+    args: tuple
+    kwargs: dict
 
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+
+class _Launches:
+    """Stands in for a Triton kernel: each launch is recorded in `log` (a `_Launch`), then runs."""
+
+    def __init__(self, kernel, name: str, log: list):
+        self.kernel, self.name, self.log = kernel, name, log
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
+        def run(*args, **kwargs):
+            self.log.append(_Launch(self.name, grid, args, kwargs))
             return self.kernel[grid](*args, **kwargs)
 
-        return launch
+        return run
 
 
 @pytest.mark.parametrize("d,inter", [(64, 96), (128, 128)])
@@ -858,14 +860,13 @@ def test_moe_experts_drop_row_masks_only_for_whole_tiles(monkeypatch, d, inter):
     x = (torch.randn(t, d, generator=g) * 2).bfloat16()
     w13, s13, w2, s2 = _experts(n_exp, d, inter, g)
     weights, ids = moe_ref.route(moe_ref.sqrtsoftplus(torch.randn(t, n_exp, generator=g)), torch.zeros(n_exp), top_k, None, 1.5, True)
-    spies = {name: _LaunchSpy(getattr(moe, name)) for name in ("_gate_up_kernel", "_down_kernel")}
-    for name, spy in spies.items():
-        monkeypatch.setattr(moe, name, spy)
+    launches = []
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        monkeypatch.setattr(moe, name, _Launches(getattr(moe, name), name, launches))
     y = moe.moe_experts(*[a.to(DEVICE) for a in (x, ids, weights, w13, s13, w2, s2)], 10.0, True)
     _, gu, dn = moe._call_tiles("moe_experts", t * top_k, n_exp, d, inter, False, False)
     assert not gu.get("STACK", False) and gu["BLOCK_N"] == 64 and dn["BLOCK_N"] == 128
-    gate_up, down = spies["_gate_up_kernel"].launches, spies["_down_kernel"].launches
-    assert [k["EVEN_N"] for k in gate_up] == [inter % 64 == 0] and [k["EVEN_N"] for k in down] == [d % 128 == 0]
+    assert [(n.name, n.kwargs["EVEN_N"]) for n in launches] == [("_gate_up_kernel", inter % 64 == 0), ("_down_kernel", d % 128 == 0)]
     assert _rel_err(y, _moe_reference(x, ids, weights, w13, s13, w2, s2, 10.0)) <= 2 * BF16_REL
 
 
@@ -1191,26 +1192,6 @@ def test_sparse_attention_rejects_bad_rope_tables():
             tattn.sparse_attention(**dev, inverse_rope=(cos.bfloat16().to(DEVICE), cos.bfloat16().to(DEVICE)))
 
 
-class _Launches:
-    """A kernel whose launches are recorded as (name, grid) in `log`, and their positional
-    arguments in `arguments` when given."""
-
-    def __init__(self, kernel, name: str, log: list, arguments: list | None = None):
-        self.kernel, self.name, self.log, self.arguments = kernel, name, log, arguments
-
-    def __getitem__(self, grid):
-        self.log.append((self.name, grid))
-        launch = self.kernel[grid]
-        if self.arguments is None:
-            return launch
-
-        def run(*args, **kwargs):
-            self.arguments.append(args)
-            return launch(*args, **kwargs)
-
-        return run
-
-
 def test_sparse_attention_reads_q_and_kv_new_from_aligned_words(monkeypatch):
     """Both kernels read q and kv_new as int32 words of two channels: views that start 2 bytes
     past a 4-byte boundary (even strides) are copied first, with the contiguous inputs' bits."""
@@ -1223,10 +1204,10 @@ def test_sparse_attention_reads_q_and_kv_new_from_aligned_words(monkeypatch):
         view.copy_(x)
         assert view.data_ptr() % 4 == 2
         shifted[name] = view
-    arguments = []
-    monkeypatch.setattr(tattn, "_logits_kernel", _Launches(tattn._logits_kernel, "_logits_kernel", [], arguments))
+    launches = []
+    monkeypatch.setattr(tattn, "_logits_kernel", _Launches(tattn._logits_kernel, "_logits_kernel", launches))
     assert torch.equal(tattn.sparse_attention(**shifted), whole)
-    q, kv_new = arguments[0][:2]
+    q, kv_new = launches[0].args[:2]
     assert q.data_ptr() % 4 == 0 and kv_new.data_ptr() % 4 == 0
 
 
@@ -1247,7 +1228,7 @@ def test_sparse_attention_slices_tokens_to_bound_the_workspace(monkeypatch, per_
         monkeypatch.setattr(tattn, name, _Launches(getattr(tattn, name), name, launches))
     assert torch.equal(tattn.sparse_attention(**dev), whole)
     sizes = [min(per_launch, t - t0) for t0 in range(0, t, per_launch)]
-    assert [(name, grid[0]) for name, grid in launches] == [(name, n) for n in sizes for name in ("_logits_kernel", "_pv_kernel")]
+    assert [(n.name, n.grid[0]) for n in launches] == [(name, n) for n in sizes for name in ("_logits_kernel", "_pv_kernel")]
 
 
 @pytest.mark.parametrize("formats", ["v4", "v41"])
