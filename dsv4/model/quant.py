@@ -116,12 +116,18 @@ def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: int = 32,
     return weight.to(torch.float32) * s
 
 
-# Compact FP4 experts on the GPU (`fp4_kernel_layout`): the checkpoint's e2m1 codes, two per
-# byte, reordered within every 8 inputs (one 4-byte word) so that nibble i of the word holds
-# input 2i and nibble 4 + i input 2i + 1 (i < 4): a right shift by 4i then brings an input pair
-# to the two 16-bit halves where the kernels build its bf16 pair (`fp8_gemm.dequant_fp4_words`).
-_FP4_NIBBLE_INPUT = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a word holds input _FP4_NIBBLE_INPUT[j]
-_FP4_INPUT_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # and input k sits in nibble _FP4_INPUT_NIBBLE[k]
+# Compact FP4 experts on the GPU (`fp4_kernel_layout`): the checkpoint's e2m1 codes, eight to
+# a 4-byte word (8 consecutive inputs), their bits placed for the kernels' conversion
+# (`fp8_gemm.dequant_fp4_words`). Input 2i + h (pair i < 4, half h < 2) lives in the word's
+# 16-bit half h: its sign at bit _FP4_SIGN_BIT[i] and its three exponent-and-mantissa bits at
+# _FP4_MAG_BIT[i] .. + 2. A bf16 pair wants each code's sign at bit 15 and those three bits at
+# 6 .. 8 of its half; with these places the four pairs need one shift each or none for both
+# fields (pairs 0 and 3: `word & 0x81C081C0`, `(word << 6) & 0x81C081C0`) or two shifts (pair 1:
+# << 1 and >> 5, pair 2: << 5 and << 3): 11 integer instructions a word against 19 when each
+# code was a nibble (shifted by 4i, then its sign and its magnitude moved apart). The exhaustive
+# search over the 16 places of a half found none needing fewer.
+_FP4_SIGN_BIT = (15, 14, 10, 9)
+_FP4_MAG_BIT = (6, 11, 3, 0)
 # Rows of whole 128s of inputs also reorder the 16 words of every 128 inputs ("slots"): slot
 # 4q + u (u < 4) holds word 8 (u // 2) + 2q + u % 2. A 16-byte load by lane q of a [rows, 16
 # words] tile then brings it inputs 16q .. 16q + 15 of both 64-input halves — the lane layout
@@ -143,16 +149,25 @@ def fp4_slot_order(cols: int) -> bool:
 FP4_MAX_SCALE_BYTE = 128
 
 
+def _fp4_places() -> list[tuple[int, int, int]]:
+    """(input within the word, bit of its sign, lowest bit of its magnitude) for the 8 codes of
+    a kernel-layout word (above)."""
+    return [(2 * i + h, 16 * h + _FP4_SIGN_BIT[i], 16 * h + _FP4_MAG_BIT[i]) for i in range(4) for h in range(2)]
+
+
 def fp4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint FP4 [rows, cols/2] (int8/uint8, low nibble = even input) -> uint8 [rows,
-    cols/2] in the kernels' order (above: nibbles, and slots when cols is a multiple of
-    FP4_SLOT_INPUTS); cols a multiple of 8."""
+    cols/2] in the kernels' order (above: bit places within each word, and slots when cols is a
+    multiple of FP4_SLOT_INPUTS); cols a multiple of 8."""
     codes = unpack_fp4(packed)
     rows, cols = codes.shape
     if cols % 8:
         raise FormatError(f"FP4 expert rows must hold a multiple of 8 inputs for the kernels' layout, got {cols}")
-    nibbles = codes.view(rows, cols // 8, 8)[:, :, list(_FP4_NIBBLE_INPUT)]
-    words = (nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)).view(rows, cols // 8, 4)
+    codes = codes.view(rows, cols // 8, 8).to(torch.int32)
+    words = torch.zeros(rows, cols // 8, dtype=torch.int32, device=codes.device)
+    for k, sign_bit, mag_bit in _fp4_places():
+        words |= ((codes[..., k] >> 3) << sign_bit) | ((codes[..., k] & 7) << mag_bit)  # (int32 wraps at bit 31)
+    words = words.view(torch.uint8).view(rows, cols // 8, 4)  # the word's bytes, least significant first
     if fp4_slot_order(cols):
         words = words.view(rows, cols // FP4_SLOT_INPUTS, 16, 4)[:, :, list(_FP4_SLOT_WORD)]
     return words.reshape(rows, cols // 2)
@@ -162,9 +177,12 @@ def fp4_codes_from_kernel_layout(stored: torch.Tensor) -> torch.Tensor:
     """Inverse of `fp4_kernel_layout`: uint8 [rows, cols/2] -> e2m1 codes [rows, cols]."""
     rows, half = stored.shape
     if fp4_slot_order(2 * half):
-        stored = stored.view(rows, 2 * half // FP4_SLOT_INPUTS, 16, 4)[:, :, list(_FP4_WORD_SLOT)].reshape(rows, half)
-    nibbles = unpack_fp4(stored).view(rows, half // 4, 8)
-    return nibbles[:, :, list(_FP4_INPUT_NIBBLE)].reshape(rows, 2 * half)
+        stored = stored.view(rows, 2 * half // FP4_SLOT_INPUTS, 16, 4)[:, :, list(_FP4_WORD_SLOT)]
+    words = stored.reshape(rows, half).contiguous().view(torch.int32)
+    codes = torch.empty(rows, half // 4, 8, dtype=torch.uint8, device=stored.device)
+    for k, sign_bit, mag_bit in _fp4_places():
+        codes[..., k] = ((((words >> sign_bit) & 1) << 3) | ((words >> mag_bit) & 7)).to(torch.uint8)
+    return codes.view(rows, 2 * half)
 
 
 def dequant_fp4_kernel_layout(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -685,10 +685,19 @@ def test_moe_experts_fp4_reject_bad_stacks():
         quant.check_fp4_scales(torch.tensor([[119, quant.FP4_MAX_SCALE_BYTE + 1]], dtype=torch.uint8), "w.scale")
 
 
-def test_dequant_fp4_matches_the_checkpoint_decoding():
+@pytest.mark.parametrize("ptx", [False, True])
+def test_dequant_fp4_matches_the_checkpoint_decoding(ptx, request):
+    """The kernel layout's bit places and their decoding, in Triton ops and in the PTX (run by
+    `ptx_emulator`), exactly the checkpoint's values; every one of the 16 codes sits at each of
+    a word's 8 places in the first rows."""
+    if ptx:
+        request.getfixturevalue("ptx_in_interpreter")
     g = _gen(8)
-    for n, k in ((5, 64), (33, 288), (2, 32), (3, 256), (4, 384)):  # (256, 384: words in slot order)
+    every = torch.arange(16, dtype=torch.uint8)[:, None].expand(16, 8)  # row c: code c at all 8 places
+    for n, k in ((16, 64), (33, 288), (2, 32), (3, 256), (4, 384)):  # (256, 384: words in slot order)
         packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        if n == 16:
+            packed[:, :4] = quant.pack_fp4(every)
         scale = torch.randint(100, quant.FP4_MAX_SCALE_BYTE + 1, (n, k // 32), generator=g, dtype=torch.uint8)
         kept = quant.fp4_kernel_layout(packed)
         assert torch.equal(quant.fp4_codes_from_kernel_layout(kept), quant.unpack_fp4(packed))

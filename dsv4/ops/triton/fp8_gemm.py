@@ -242,30 +242,44 @@ def dequant_word_step(words, scale_word, k0, BLOCK_K: tl.constexpr):
     return _bf16_from_pairs(tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1])))
 
 
-# e2m1 -> bf16 for the 8 codes of a 32-bit word (`quant.fp4_kernel_layout`: nibble i holds
-# input 2i and nibble 4 + i input 2i + 1, i < 4): shifted right by 4i, the word has the pair's
-# two codes at bits 0..3 and 16..19; shifted left by 12 and by 6 and masked, each code's sign
-# sits at a bf16 sign bit and its exponent and mantissa bits at the exponent's two low bits and
-# the mantissa's top bit: a bf16 pair whose values are the e2m1 values times 2**-126 (the
-# subnormal code 0.5 lands on the bf16 subnormal 2**-127). One bf16x2 multiply by the row's
-# scale times 2**126 (the second operand, its bits in both halves) makes them exact: no
-# conversion unit, and the FP8 permute's instruction count per input.
+# e2m1 -> bf16 by bit placement: with a code's sign at a bf16 sign bit and its exponent and
+# mantissa bits at the exponent's two low bits and the mantissa's top bit, a bf16 pair holds
+# the e2m1 values times 2**-126 (the subnormal code 0.5 lands on the bf16 subnormal 2**-127);
+# one bf16x2 multiply by the scale times 2**126 (the second operand, its bits in both halves)
+# makes them exact: no conversion unit, and the FP8 permute's instruction count per input.
 def e2m1_pair_ptx(src: str, out: str, scale: str, two_step: bool) -> str:
-    """PTX: the bf16 pair of the e2m1 codes at bits 0..3 and 16..19 of register `src` (above),
-    times the pair `scale` into `out`; `two_step`: first times 2**126 (register k, below), then
-    the scale. Also the attention kernels' FP4 decoding (`attention._fp4_ptx`)."""
+    """PTX: the bf16 pair of the e2m1 nibbles at bits 0..3 and 16..19 of register `src`
+    (placed as above), times the pair `scale` into `out`; `two_step`: first times 2**126
+    (register k, below), then the scale. The cached keys' and compressed entries' nibbles
+    (the indexer's and attention's FP4 decoding, `attention._fp4_ptx`)."""
     bits = (f"shl.b32 a, {src}, 12;\nshl.b32 b, {src}, 6;\nand.b32 a, a, 0x80008000;\n"
             f"and.b32 b, b, 0x01C001C0;\nor.b32 a, a, b;\n")
     return bits + ("mul.rn.bf16x2 a, a, k;\n" if two_step else "") + f"mul.rn.bf16x2 {out}, a, {scale};\n"
 
 
-def _e2m1_pair_ptx(i: int, two_step: bool = False) -> str:
-    """PTX of output pair i of `_E2M1_TO_BF16_PTX` (input $4, scale pair $5)."""
-    shift = "" if i == 0 else f"shr.u32 r, $4, {4 * i};\n"
-    return shift + e2m1_pair_ptx("$4" if i == 0 else "r", f"${i}", "$5", two_step)
+# Compact FP4 expert words (`quant.fp4_kernel_layout`) hold pair i's two codes (inputs 2i and
+# 2i + 1) in the two 16-bit halves with their signs and magnitudes placed so that shifting the
+# word left by these amounts (negative: right) brings them to bits 15 / 31 and 6..8 / 22..24:
+# one shift (or none) for both when the two amounts agree, one mask, one multiply.
+_FP4_PAIR_SHIFTS = tuple((15 - s, 6 - m) for s, m in zip(quant._FP4_SIGN_BIT, quant._FP4_MAG_BIT))
 
 
-_E2M1_TO_BF16_PTX = tl.constexpr("{\n.reg .b32 r, a, b;\n" + "".join(_e2m1_pair_ptx(i) for i in range(4)) + "}")
+def _fp4_pair_ptx(i: int) -> str:
+    """PTX of output pair i of `_FP4_TO_BF16_PTX` (word $4, scale pair $5)."""
+    def masked(reg: str, shift: int, mask: str) -> str:
+        if shift == 0:
+            return f"and.b32 {reg}, $4, {mask};\n"
+        return f"{'shl.b32' if shift > 0 else 'shr.u32'} {reg}, $4, {abs(shift)};\nand.b32 {reg}, {reg}, {mask};\n"
+
+    sign_shift, mag_shift = _FP4_PAIR_SHIFTS[i]
+    if sign_shift == mag_shift:
+        bits = masked("a", sign_shift, "0x81C081C0")
+    else:
+        bits = masked("a", sign_shift, "0x80008000") + masked("b", mag_shift, "0x01C001C0") + "or.b32 a, a, b;\n"
+    return bits + f"mul.rn.bf16x2 ${i}, a, $5;\n"
+
+
+_FP4_TO_BF16_PTX = tl.constexpr("{\n.reg .b32 a, b;\n" + "".join(_fp4_pair_ptx(i) for i in range(4)) + "}")
 
 
 # The same pairs for scale bytes of any size (the indexer's keys: a byte above
@@ -273,34 +287,56 @@ _E2M1_TO_BF16_PTX = tl.constexpr("{\n.reg .b32 r, a, b;\n" + "".join(_e2m1_pair_
 # exact multiply by 2**126 (bf16 0x7E80) gives the e2m1 values, then one by 2**(byte - 127)
 # ($5, both halves), exact for every byte 1 .. 254 (a product that underflows bf16's normals
 # lands on its subnormals exactly: e2m1 values have two significant bits).
-_E2M1_TO_BF16_TWO_STEP_PTX = tl.constexpr("{\n.reg .b32 r, a, b, k;\nmov.b32 k, 0x7E807E80;\n"
-                                          + "".join(_e2m1_pair_ptx(i, two_step=True) for i in range(4)) + "}")
+_E2M1_TO_BF16_TWO_STEP_PTX = tl.constexpr("{\n.reg .b32 r, a, b, k;\nmov.b32 k, 0x7E807E80;\n" + "".join(
+    ("" if i == 0 else f"shr.u32 r, $4, {4 * i};\n") + e2m1_pair_ptx("$4" if i == 0 else "r", f"${i}", "$5", two_step=True) for i in range(4)) + "}")
 
 
 @triton.jit
 def _e2m1_pair_bits(words, i: tl.constexpr):
-    """The bf16 bit pair (inputs 2i, 2i + 1; values x 2**-126) of each word: the PTX above in
-    Triton ops, for the interpreter."""
+    """The bf16 bit pair (nibbles i and 4 + i; values x 2**-126) of each key word: the PTX
+    above in Triton ops, for the interpreter."""
     r = words >> (4 * i)
     return ((r << 12) & -2147450880) | ((r << 6) & 0x01C001C0)  # -2147450880: the mask 0x80008000 as int32
+
+
+@triton.jit
+def _shifted(words, shift: tl.constexpr):
+    """words shifted left by `shift` (right where negative; the bits it brings in are masked off)."""
+    if shift >= 0:
+        out = words << shift
+    else:
+        out = words >> -shift
+    return out
+
+
+@triton.jit
+def _fp4_pair_bits(words, SIGN_SHIFT: tl.constexpr, MAG_SHIFT: tl.constexpr):
+    """The bf16 bit pair (values x 2**-126) of an expert word's input pair whose shifts
+    (`_FP4_PAIR_SHIFTS`) are given: `_FP4_TO_BF16_PTX` in Triton ops, for the interpreter."""
+    return (_shifted(words, SIGN_SHIFT) & -2147450880) | (_shifted(words, MAG_SHIFT) & 0x01C001C0)  # -2147450880: 0x80008000 as int32
+
+
+_FP4_S0, _FP4_S1, _FP4_S2, _FP4_S3 = (tl.constexpr(s) for s, _ in _FP4_PAIR_SHIFTS)
+_FP4_M0, _FP4_M1, _FP4_M2, _FP4_M3 = (tl.constexpr(m) for _, m in _FP4_PAIR_SHIFTS)
 
 
 @triton.jit
 def dequant_fp4_words(words, scale_byte, PTX: tl.constexpr):
     """int32 [R, C] of 8 e2m1 codes each (`quant.fp4_kernel_layout`) times 2**(scale_byte -
     127) per row (int32 [R], at most `quant.FP4_MAX_SCALE_BYTE`: the multiplier 2**(scale_byte
-    - 1) must be a finite bf16) -> bf16 [R, 8C] in input order, exact (`_E2M1_TO_BF16_PTX`).
+    - 1) must be a finite bf16) -> bf16 [R, 8C] in input order, exact (`_FP4_TO_BF16_PTX`).
     Or a scale byte per word (int32 [R, C]: a whole K step, `step_scale_bytes`)."""
     if PTX:
         scale = (scale_byte + 126) << 7  # bf16 bits of 2**(scale_byte - 1), in both halves
         pair = (scale << 16) | scale
         if len(scale_byte.shape) == 1:
             pair = pair[:, None]
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(_E2M1_TO_BF16_PTX, "=r,=r,=r,=r,r,r", [words, pair],
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_FP4_TO_BF16_PTX, "=r,=r,=r,=r,r,r", [words, pair],
                                                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         out = _bf16_from_pairs(tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1])))
     else:  # fp32 views of the bit pairs (numpy's fp32 keeps subnormals; its bf16 is not IEEE)
-        o0, o1, o2, o3 = _e2m1_pair_bits(words, 0), _e2m1_pair_bits(words, 1), _e2m1_pair_bits(words, 2), _e2m1_pair_bits(words, 3)
+        o0, o1 = _fp4_pair_bits(words, _FP4_S0, _FP4_M0), _fp4_pair_bits(words, _FP4_S1, _FP4_M1)
+        o2, o3 = _fp4_pair_bits(words, _FP4_S2, _FP4_M2), _fp4_pair_bits(words, _FP4_S3, _FP4_M3)
         pairs = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (words.shape[0], 4 * words.shape[1]))
         lo, hi = (pairs << 16).to(tl.float32, bitcast=True), ((pairs >> 16) << 16).to(tl.float32, bitcast=True)
         if len(scale_byte.shape) == 1:
