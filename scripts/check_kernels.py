@@ -387,7 +387,7 @@ def moe_case(t: int, data: tuple, dense: tuple, fp4s: tuple) -> None:
             same = torch.equal(moe.moe_experts(xt, it, wt, w13, s13, w2, s2, 10.0, True), y_k)
             record("moe_experts", case, "triton_graph bytes", ok=same, same_bits=same, experts_used=used,
                    **perf(graph_time(calls, reps=5), w_bytes + io, flops, "bf16"))
-    # compact FP4 stacks (the default GPU form): the same values, so the FP8 stacks' bits; half the bytes
+    # compact FP4 stacks (`--fp4-experts`): the same values, so the FP8 stacks' bits; half the bytes
     p13, p2 = fp4s
     fp4_bytes = used * (3 * inter * d) * (0.5 + 1 / 32)
     same = torch.equal(moe.moe_experts(xt, it, wt, p13, s13, p2, s2, 10.0, True), y_k)
