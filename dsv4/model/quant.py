@@ -119,15 +119,15 @@ def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: int = 32,
 # Compact FP4 experts on the GPU (`fp4_kernel_layout`): the checkpoint's e2m1 codes, eight to
 # a 4-byte word (8 consecutive inputs), their bits placed for the kernels' conversion
 # (`fp8_gemm.dequant_fp4_words`). Input 2i + h (pair i < 4, half h < 2) lives in the word's
-# 16-bit half h: its sign at bit _FP4_SIGN_BIT[i] and its three exponent-and-mantissa bits at
-# _FP4_MAG_BIT[i] .. + 2. A bf16 pair wants each code's sign at bit 15 and those three bits at
+# 16-bit half h: its sign at bit FP4_SIGN_BIT[i] and its three exponent-and-mantissa bits at
+# FP4_MAG_BIT[i] .. + 2. A bf16 pair wants each code's sign at bit 15 and those three bits at
 # 6 .. 8 of its half; with these places the four pairs need one shift each or none for both
 # fields (pairs 0 and 3: `word & 0x81C081C0`, `(word << 6) & 0x81C081C0`) or two shifts (pair 1:
 # << 1 and >> 5, pair 2: << 5 and << 3): 11 integer instructions a word against 19 when each
 # code was a nibble (shifted by 4i, then its sign and its magnitude moved apart). The exhaustive
 # search over the 16 places of a half found none needing fewer.
-_FP4_SIGN_BIT = (15, 14, 10, 9)
-_FP4_MAG_BIT = (6, 11, 3, 0)
+FP4_SIGN_BIT = (15, 14, 10, 9)
+FP4_MAG_BIT = (6, 11, 3, 0)
 # Rows of whole 128s of inputs also reorder the 16 words of every 128 inputs ("slots"): slot
 # 4q + u (u < 4) holds word 8 (u // 2) + 2q + u % 2. A 16-byte load by lane q of a [rows, 16
 # words] tile then brings it inputs 16q .. 16q + 15 of both 64-input halves — the lane layout
@@ -152,7 +152,7 @@ FP4_MAX_SCALE_BYTE = 128
 def _fp4_places() -> list[tuple[int, int, int]]:
     """(input within the word, bit of its sign, lowest bit of its magnitude) for the 8 codes of
     a kernel-layout word (above)."""
-    return [(2 * i + h, 16 * h + _FP4_SIGN_BIT[i], 16 * h + _FP4_MAG_BIT[i]) for i in range(4) for h in range(2)]
+    return [(2 * i + h, 16 * h + FP4_SIGN_BIT[i], 16 * h + FP4_MAG_BIT[i]) for i in range(4) for h in range(2)]
 
 
 def fp4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:

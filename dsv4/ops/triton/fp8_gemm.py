@@ -261,7 +261,7 @@ def e2m1_pair_ptx(src: str, out: str, scale: str, two_step: bool) -> str:
 # 2i + 1) in the two 16-bit halves with their signs and magnitudes placed so that shifting the
 # word left by these amounts (negative: right) brings them to bits 15 / 31 and 6..8 / 22..24:
 # one shift (or none) for both when the two amounts agree, one mask, one multiply.
-_FP4_PAIR_SHIFTS = tuple((15 - s, 6 - m) for s, m in zip(quant._FP4_SIGN_BIT, quant._FP4_MAG_BIT))
+_FP4_PAIR_SHIFTS = tuple((15 - s, 6 - m) for s, m in zip(quant.FP4_SIGN_BIT, quant.FP4_MAG_BIT))
 
 
 def _fp4_pair_ptx(i: int) -> str:
