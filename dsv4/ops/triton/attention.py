@@ -161,8 +161,8 @@ def _e2m1_over_2e14(code):
 # The compiled path's FP4 decoding (`PTX`), on four entry bytes (channel pairs c .. c + 3, the
 # even channel in each low nibble; Triton hands them over packed in one register): two byte
 # permutes spread bytes 0, 1 and 2, 3 over the halves of a word, so that a pair's nibble sits at
-# bits 0..3 of each half (shifted right by 4: the odd channels'), then the FP4 experts' bit
-# placement (`fp8_gemm.e2m1_pair_ptx`: the e2m1 values times 2**-126 as bf16 pairs) and two
+# bits 0..3 of each half (shifted right by 4: the odd channels'), then the nibbles' bit
+# placement (`fp8_gemm.e2m1_pair_ptx`: the e2m1 values times 2**-126 as bf16 pairs) and its two
 # exact bf16x2 multiplies, by 2**126 and by the entry's E4M3 scale (exact in bf16): the values
 # `_e2m1_over_2e14` times the scale give, rounded — exact either way (two and four significant
 # bits), so the same bits without the conversions through fp16 and fp32.
@@ -171,7 +171,7 @@ def _fp4_ptx(shift: str) -> str:
     $0 (bytes 0, 1) and $1 (bytes 2, 3), times their scales ($3: bytes 0, 1; $4: bytes 2, 3)."""
     return ("{\n.reg .b32 x, y, a, b, k;\nmov.b32 k, 0x7E807E80;\nprmt.b32 x, $2, 0, 0x4140;\nprmt.b32 y, $2, 0, 0x4342;\n"
             f"shr.u32 x, x, {shift};\nshr.u32 y, y, {shift};\n"
-            + e2m1_pair_ptx("x", "$0", "$3", two_step=True) + e2m1_pair_ptx("y", "$1", "$4", two_step=True) + "}")
+            + e2m1_pair_ptx("x", "$0", "$3") + e2m1_pair_ptx("y", "$1", "$4") + "}")
 
 
 _FP4_EVEN_PTX = tl.constexpr(_fp4_ptx("0"))

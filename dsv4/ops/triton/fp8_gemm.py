@@ -247,14 +247,14 @@ def dequant_word_step(words, scale_word, k0, BLOCK_K: tl.constexpr):
 # the e2m1 values times 2**-126 (the subnormal code 0.5 lands on the bf16 subnormal 2**-127);
 # one bf16x2 multiply by the scale times 2**126 (the second operand, its bits in both halves)
 # makes them exact: no conversion unit, and the FP8 permute's instruction count per input.
-def e2m1_pair_ptx(src: str, out: str, scale: str, two_step: bool) -> str:
+def e2m1_pair_ptx(src: str, out: str, scale: str) -> str:
     """PTX: the bf16 pair of the e2m1 nibbles at bits 0..3 and 16..19 of register `src`
-    (placed as above), times the pair `scale` into `out`; `two_step`: first times 2**126
-    (register k, below), then the scale. The cached keys' and compressed entries' nibbles
-    (the indexer's and attention's FP4 decoding, `attention._fp4_ptx`)."""
+    (placed as above), times 2**126 (register k, below), then times the pair `scale`, into
+    `out`. The cached keys' and compressed entries' nibbles (the indexer's and attention's FP4
+    decoding, `attention._fp4_ptx`), whose scales may exceed what one multiply can fold in."""
     bits = (f"shl.b32 a, {src}, 12;\nshl.b32 b, {src}, 6;\nand.b32 a, a, 0x80008000;\n"
             f"and.b32 b, b, 0x01C001C0;\nor.b32 a, a, b;\n")
-    return bits + ("mul.rn.bf16x2 a, a, k;\n" if two_step else "") + f"mul.rn.bf16x2 {out}, a, {scale};\n"
+    return bits + f"mul.rn.bf16x2 a, a, k;\nmul.rn.bf16x2 {out}, a, {scale};\n"
 
 
 # Compact FP4 expert words (`quant.fp4_kernel_layout`) hold pair i's two codes (inputs 2i and
@@ -288,7 +288,7 @@ _FP4_TO_BF16_PTX = tl.constexpr("{\n.reg .b32 a, b;\n" + "".join(_fp4_pair_ptx(i
 # ($5, both halves), exact for every byte 1 .. 254 (a product that underflows bf16's normals
 # lands on its subnormals exactly: e2m1 values have two significant bits).
 _E2M1_TO_BF16_TWO_STEP_PTX = tl.constexpr("{\n.reg .b32 r, a, b, k;\nmov.b32 k, 0x7E807E80;\n" + "".join(
-    ("" if i == 0 else f"shr.u32 r, $4, {4 * i};\n") + e2m1_pair_ptx("$4" if i == 0 else "r", f"${i}", "$5", two_step=True) for i in range(4)) + "}")
+    ("" if i == 0 else f"shr.u32 r, $4, {4 * i};\n") + e2m1_pair_ptx("$4" if i == 0 else "r", f"${i}", "$5") for i in range(4)) + "}")
 
 
 @triton.jit
